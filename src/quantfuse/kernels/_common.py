@@ -1,0 +1,123 @@
+"""Triton device helpers shared by every kernel family: exact rounding and saturating conversions.
+
+The SPEC demands round-half-to-even with saturation for int8/int4 and a saturating RNE conversion for
+fp8-e4m3. Triton's float->int cast truncates, so integer rounding uses the magic-number trick
+(adding 1.5 * 2^23 pushes the fraction bits out of a float32 mantissa, which the FPU rounds to even).
+
+The Triton interpreter's float32 -> fp8 cast neither rounds to even nor carries a rounded mantissa into
+the exponent (126.5 becomes 64), so every fp8 store goes through `to_fp8e4m3`, which on the GPU is the
+hardware `cvt.rn.satfinite` and under the interpreter an exact bit-level twin (`_fp8e4m3_bits`). The GPU
+tests compare the two on every float32 pattern class so the twin cannot drift from the hardware.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+# Kernels take `INTERPRET: tl.constexpr` from here so the interpreter-safe twins are chosen at trace time.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+
+# 1.5 * 2^23: float32 x + C - C rounds x to the nearest integer, ties to even, for |x| < 2^22.
+_RNE_MAGIC_F32 = 12582912.0
+# 1.5 * 2^52: the same for float64 (|x| < 2^51).
+_RNE_MAGIC_F64 = 6755399441055744.0
+
+
+@triton.jit
+def rne_f32(x):
+    """Round float32 to the nearest integer (ties to even); exact for |x| < 2^22, callers clamp first."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def rne_f32_any(x):
+    """Round float32 to nearest even for any magnitude (|x| >= 2^23 is already an integer)."""
+    return tl.where(tl.abs(x) < 8388608.0, (x + 12582912.0) - 12582912.0, x)
+
+
+@triton.jit
+def rne_f64(x):
+    """Round float64 to the nearest integer (ties to even) for |x| < 2^51."""
+    return (x + 6755399441055744.0) - 6755399441055744.0
+
+
+@triton.jit
+def to_int8_sat(v):
+    """sat_int8(rne(v)) for float32 v. Clamping before rounding equals rounding before saturating
+    because the bounds are integers; NaN becomes a bound (maxnum semantics), never a crash."""
+    v = tl.minimum(tl.maximum(v, -128.0), 127.0)
+    return rne_f32(v).to(tl.int8)
+
+
+@triton.jit
+def to_int8_sat_azp(v, azp):
+    """sat_int8(rne(v) + azp), exact for any int32 azp: float64 holds every bound exactly."""
+    azp_f = azp.to(tl.float64)
+    w = tl.minimum(tl.maximum(v.to(tl.float64), -128.0 - azp_f), 127.0 - azp_f)
+    return (rne_f64(w) + azp_f).to(tl.int8)
+
+
+@triton.jit
+def _fp8e4m3_bits(v):
+    """Bit-exact float32 -> fp8-e4m3fn (RNE, saturating to +-448) using integer arithmetic only."""
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31) & 1
+    mag = bits & 0x7FFFFFFF
+    # Normal range (|v| >= 2^-6): round the 23-bit mantissa to 3 bits, ties to even; a carry
+    # rolls into the exponent naturally. Then rebias the exponent from 127 to 7 (120 << 3 = 960).
+    rounded = (mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20
+    normal = rounded.to(tl.int32) - 960
+    # Subnormal range: the code is rne(|v| * 2^9); 8 rolls into the smallest normal, code 8.
+    absv = mag.to(tl.float32, bitcast=True)
+    sub = rne_f32(absv * 512.0).to(tl.int32)
+    code = tl.where(mag < 0x3C800000, sub, normal)
+    code = tl.where(mag > 0x7F800000, 0x7F, code)  # NaN stays NaN
+    return (code | (sign.to(tl.int32) << 7)).to(tl.uint8)
+
+
+@triton.jit
+def to_fp8e4m3(v, INTERPRET: tl.constexpr):
+    """sat(rne(v)) to float8_e4m3fn: the hardware conversion on GPU, the exact twin in the interpreter."""
+    if INTERPRET:
+        return _fp8e4m3_bits(v).to(tl.float8e4nv, bitcast=True)
+    else:
+        return tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def fp8e4m3_twin(v):
+    """The bit-level twin as an fp8 value, for the GPU test that checks it against the hardware cast."""
+    return _fp8e4m3_bits(v).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def quantize_value(v, IS_FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """Symmetric q = sat(rne(v)) to int8 or fp8, v = x / scale already divided."""
+    if IS_FP8:
+        return to_fp8e4m3(v, INTERPRET)
+    else:
+        return to_int8_sat(v)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """Bit-exact float32 -> bfloat16, round to nearest even; NaN stays a quiet NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits >> 16) | 0x40, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def cast_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """x.to(DTYPE) with round-to-nearest-even. The interpreter's own float32 -> bfloat16 cast does not
+    round to even (about half the values come out one ulp off), so it gets the exact twin there."""
+    if INTERPRET and DTYPE == tl.bfloat16:
+        return _bf16_bits(x.to(tl.float32))
+    else:
+        return x.to(DTYPE)

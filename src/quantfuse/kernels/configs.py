@@ -1,0 +1,67 @@
+"""Launch configurations as data, one table per GPU architecture.
+
+Memory-bound kernels here are not autotuned: their best tile is a function of the row length, chosen
+from these tables so a new shape never waits for a tuning sweep. Values were picked on an H100 (sm90);
+other architectures fall back to the default table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_k: int
+    num_warps: int
+    single_pass: bool = True
+
+
+# elements one program keeps in flight, and the longest row a per-token program holds in registers
+_QUANT_TABLE = {
+    "sm90": {"elements": 8192, "max_single_pass_k": 16384, "loop_block_k": 4096},
+    "default": {"elements": 4096, "max_single_pass_k": 8192, "loop_block_k": 2048},
+}
+
+
+@lru_cache(maxsize=None)
+def arch_key(device_type: str, index) -> str:
+    if device_type != "cuda":
+        return "default"
+    major, _ = torch.cuda.get_device_capability(index)
+    return "sm90" if major >= 9 else "default"
+
+
+def _warps(elements: int) -> int:
+    if elements <= 1024:
+        return 2
+    if elements <= 4096:
+        return 4
+    if elements <= 8192:
+        return 8
+    return 16
+
+
+def quantize_tile(device: torch.device, kind: str, k: int) -> Tile:
+    """Tile for the quantize/dequantize kernels. kind: per_token | per_group | per_tensor | elementwise.
+    For per_group, k is the group size."""
+    table = _QUANT_TABLE[arch_key(device.type, device.index)]
+    budget = table["elements"]
+    if kind == "per_token":
+        block_k = triton.next_power_of_2(k)
+        if block_k <= table["max_single_pass_k"]:
+            block_m = max(1, budget // block_k)
+            return Tile(block_m, block_k, _warps(block_m * block_k), True)
+        block_k = table["loop_block_k"]
+        return Tile(1, block_k, _warps(block_k), False)
+    if kind == "per_group":
+        block_r = max(1, budget // k)
+        return Tile(block_r, k, _warps(block_r * k))
+    block_k = min(triton.next_power_of_2(k), 1024)
+    block_m = max(1, budget // block_k)
+    return Tile(block_m, block_k, _warps(block_m * block_k))

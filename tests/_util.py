@@ -1,0 +1,24 @@
+"""Assertions shared by the tests."""
+
+import torch
+
+
+def codes(q: torch.Tensor) -> torch.Tensor:
+    """Integer view of int8 / fp8 codes, for exact comparisons (fp8 NaN != NaN otherwise)."""
+    return q.view(torch.uint8).to(torch.int32) if q.dtype == torch.float8_e4m3fn else q.to(torch.int32)
+
+
+def assert_codes_equal(actual: torch.Tensor, expected: torch.Tensor, tie_rate: float = 0.0) -> None:
+    """Exact equality of quantized codes; with tie_rate > 0, a mismatch rate below it is allowed and no
+    mismatch may exceed one code step (SPEC section 0, rounding ties)."""
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    a, e = codes(actual), codes(expected)
+    diff = (a - e).abs()
+    if tie_rate == 0.0:
+        bad = int((diff != 0).sum())
+        assert bad == 0, f"{bad} of {diff.numel()} codes differ; first at {torch.nonzero(diff)[:5].tolist()}"
+        return
+    assert int(diff.max()) <= 1, f"a code differs by {int(diff.max())} steps"
+    rate = float((diff != 0).float().mean())
+    assert rate < tie_rate, f"mismatch rate {rate} >= {tie_rate}"
