@@ -27,13 +27,8 @@ from ._validation import (
     rows_view,
 )
 
-__all__ = [
-    "backend",
-    "quantize_per_tensor",
-    "quantize_per_token",
-    "quantize_per_group",
-    "dequantize",
-]
+# Each section below appends its public names to __all__ (quantfuse re-exports them).
+__all__ = ["backend"]
 
 Tensor = torch.Tensor
 
@@ -64,6 +59,8 @@ def _check_scale_ub(scale_ub, x: Tensor) -> None:
 # ----------------------------------------------------------------------------------------------------
 # Section 1: activation quantization
 # ----------------------------------------------------------------------------------------------------
+__all__ += ["quantize_per_tensor", "quantize_per_token", "quantize_per_group", "dequantize"]
+
 @torch.library.custom_op("quantfuse::quantize_per_tensor_dynamic", mutates_args=())
 def _quantize_per_tensor_dynamic(x: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     x2d = rows_view(x)
