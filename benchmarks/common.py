@@ -1,0 +1,156 @@
+"""Benchmark plumbing shared by every bench_*.py: timing, L2 rotation, ceilings and the result files.
+
+Timing: `triton.testing.do_bench` medians. Inputs rotate through enough copies to exceed L2 (50 MB on
+H100) several times over, so a kernel never reads warm cache. With `graph=True` one CUDA graph replays
+the whole rotation and the time is divided by the number of calls (launch overhead excluded, as in a
+graph-captured serving engine).
+
+Result files: `write_result(name, title, rows, ...)` writes `$OUT/<name>.json` on the device machine
+(or `benchmarks/results/<name>.json` locally) with the device, versions and date; `report.py` turns all of
+them into BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+L2_ROTATE_BYTES = 256 * 1024 * 1024  # rotate through at least this many bytes of inputs
+
+
+def env_info() -> Dict[str, object]:
+    import triton
+
+    info = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            device=props.name,
+            sm_count=props.multi_processor_count,
+            capability=f"{props.major}.{props.minor}",
+            cuda=torch.version.cuda,
+        )
+    else:
+        info["device"] = "cpu"
+    return info
+
+
+def rotation_count(bytes_per_call: int, minimum: int = 2, maximum: int = 64) -> int:
+    """How many distinct input sets to cycle through so the working set exceeds L2 several times."""
+    n = -(-L2_ROTATE_BYTES // max(1, bytes_per_call))
+    return int(max(minimum, min(maximum, n)))
+
+
+def time_ms(
+    fn: Callable[..., object],
+    input_sets: Sequence[Sequence[object]],
+    graph: bool = False,
+    warmup: int = 25,
+    rep: int = 100,
+) -> float:
+    """Median milliseconds of one call fn(*inputs), cycling through input_sets."""
+    import triton
+
+    n = len(input_sets)
+    if graph:
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for args in input_sets:  # warm up: compile and autotune outside the capture
+                fn(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for args in input_sets:
+                fn(*args)
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median") / n
+
+    state = {"i": 0}
+
+    def step():
+        args = input_sets[state["i"] % n]
+        state["i"] += 1
+        fn(*args)
+
+    for _ in range(n):  # compile everything before timing
+        step()
+    return triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    import triton
+
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def bf16_matmul_tflops(n: int = 8192) -> float:
+    """Measured dense bf16 ceiling (torch.matmul on random data)."""
+    import triton
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def results_dir() -> str:
+    out = os.environ.get("OUT")
+    path = out if out else os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def write_result(
+    name: str,
+    title: str,
+    rows: List[Dict[str, object]],
+    columns: Optional[List[str]] = None,
+    notes: str = "",
+    extra: Optional[Dict[str, object]] = None,
+) -> str:
+    """Write one benchmark's rows (list of flat dicts) with the environment; returns the path."""
+    record = {
+        "name": name,
+        "title": title,
+        "env": env_info(),
+        "columns": columns or (list(rows[0].keys()) if rows else []),
+        "rows": rows,
+        "notes": notes,
+    }
+    if extra:
+        record.update(extra)
+    path = os.path.join(results_dir(), f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    return path
+
+
+def print_table(rows: List[Dict[str, object]], columns: Optional[List[str]] = None) -> None:
+    if not rows:
+        return
+    columns = columns or list(rows[0].keys())
+
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(fmt(r.get(c, "")).rjust(w) for c, w in zip(columns, widths)))
