@@ -39,9 +39,15 @@ def quantize_values_azp(v: torch.Tensor, azp: torch.Tensor) -> torch.Tensor:
     return w.clamp(-128, 127).nan_to_num(0.0).to(torch.int8)
 
 
+def true_div(a: torch.Tensor, divisor: float) -> torch.Tensor:
+    """a / divisor as an IEEE float32 division. (PyTorch's CUDA kernels turn division by a Python scalar
+    into multiplication by its rounded reciprocal, which is not the SPEC's true division.)"""
+    return a / torch.tensor(divisor, dtype=torch.float32, device=a.device)
+
+
 def dynamic_scale(amax: torch.Tensor, dtype: torch.dtype, scale_ub: Optional[torch.Tensor] = None) -> torch.Tensor:
     """scale = max(amax, 1e-10) / qmax, then min(scale, scale_ub) when an upper bound is given."""
-    scale = torch.clamp(amax.float(), min=SCALE_FLOOR) / QMAX[dtype]
+    scale = true_div(torch.clamp(amax.float(), min=SCALE_FLOOR), QMAX[dtype])
     if scale_ub is not None:
         scale = torch.minimum(scale, scale_ub.float().reshape(()))
     return scale
@@ -52,7 +58,7 @@ def _azp_from_range(xmin: torch.Tensor, xmax: torch.Tensor) -> Tuple[torch.Tenso
 
     A (near-)constant region gives a tiny scale and a zero point far outside int8; it is clamped to the
     float32-representable int32 range [-2^31, 2^31 - 128] so it never overflows and never gives NaN."""
-    scale = torch.clamp(xmax.float() - xmin.float(), min=SCALE_FLOOR) / 255.0
+    scale = true_div(torch.clamp(xmax.float() - xmin.float(), min=SCALE_FLOOR), 255.0)
     azp = torch.round(-128.0 - xmin.float() / scale)
     azp = azp.clamp(INT32_MIN_F, INT32_MAX_F).nan_to_num(0.0).to(torch.int32)
     return scale, azp
@@ -139,6 +145,84 @@ def dequantize(
 # ----------------------------------------------------------------------------------------------------
 # Section 2: scaled matmul with fused epilogues
 # ----------------------------------------------------------------------------------------------------
+def scaled_mm_accumulator(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc = a_q @ b_q for a [..., K] flattened to [M, K]: int32 (exact) for int8, float32 for fp8.
+
+    Computed in float64, which holds every int8 dot product exactly (|acc| <= 2^14 K) and every fp8
+    product exactly, so the only rounding for fp8 is the final one to float32."""
+    rows = a.reshape(-1, a.shape[-1])
+    acc = rows.double() @ b.double()
+    if a.dtype == torch.int8:
+        return acc.to(torch.int64).to(torch.int32)
+    return acc.float()
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: Optional[torch.Tensor] = None,
+    azp_adj: Optional[torch.Tensor] = None,
+    azp: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """out[i, j] = (scale_a[i] * scale_b[j]) * float(acc[i, j] - corr[i, j]) + bias[j], one final rounding.
+
+    corr = 0 (no azp_adj), azp_adj[j] (azp_adj = z_a * colsum(b_q), per-tensor zero point) or
+    azp[i] * azp_adj[j] (azp_adj = colsum(b_q), per-token zero points); the subtraction is int32."""
+    n = b.shape[1]
+    acc = scaled_mm_accumulator(a, b)
+    m = acc.shape[0]
+    if azp_adj is not None:
+        corr = azp_adj.reshape(1, n).to(torch.int32)
+        if azp is not None:
+            corr = azp.reshape(m, 1).to(torch.int32) * corr
+        acc = acc - corr
+    sa = scale_a.float().reshape(m, 1) if scale_a.numel() > 1 else scale_a.float().reshape(())
+    sb = scale_b.float().reshape(1, n) if scale_b.numel() > 1 else scale_b.float().reshape(())
+    out = (sa * sb) * acc.float()
+    if bias is not None:
+        out = out + bias.float().reshape(1, n)
+    return out.to(out_dtype).reshape(*a.shape[:-1], n)
+
+
+def azp_adjustment(b: torch.Tensor, azp: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """colsum(b_q) as int32 [N] (per-token zero points), or z_a * colsum(b_q) for a per-tensor z_a."""
+    colsum = b.to(torch.int64).sum(dim=0).to(torch.int32)
+    if azp is not None:
+        colsum = colsum * azp.reshape(()).to(torch.int32)
+    return colsum
+
+
+def scaled_mm_blockwise(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: Optional[torch.Tensor] = None,
+    block: Tuple[int, int] = (128, 128),
+) -> torch.Tensor:
+    """out[i, j] = sum_kb (scale_a[i, kb] * scale_b[kb, j // 128]) * (a[i, kb-block] . b[kb-block, j]) + bias[j].
+
+    scale_a [M, ceil(K/128)] per 1x128 activation group, scale_b [ceil(K/128), ceil(N/128)] per
+    128x128 weight block; the last K and N blocks may be partial. Each block dot is exact in float64
+    then rounded to float32; the scaled sum is float32."""
+    group = block[0]
+    rows = a.reshape(-1, a.shape[-1])
+    m, k = rows.shape
+    n = b.shape[1]
+    sb_cols = scale_b.float().repeat_interleave(block[1], dim=1)[:, :n]
+    out = torch.zeros((m, n), dtype=torch.float32, device=a.device)
+    for kb in range(-(-k // group)):
+        ks = slice(kb * group, min(k, (kb + 1) * group))
+        part = (rows[:, ks].double() @ b[ks].double()).float()
+        out += (scale_a[:, kb].float().reshape(m, 1) * sb_cols[kb].reshape(1, n)) * part
+    if bias is not None:
+        out = out + bias.float().reshape(1, n)
+    return out.to(out_dtype).reshape(*a.shape[:-1], n)
+
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -149,3 +233,62 @@ def dequantize(
 # ----------------------------------------------------------------------------------------------------
 # Section 4: weight-only quantized GEMM
 # ----------------------------------------------------------------------------------------------------
+def _weight_groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N, K] -> [N, G, group] float32, the last group zero-padded when group_size does not divide K
+    (zeros change neither amax nor the min(., 0) / max(., 0) range below)."""
+    n, k = w.shape
+    g = k if group_size == -1 else group_size
+    groups = -(-k // g)
+    padded = torch.zeros((n, groups * g), dtype=torch.float32, device=w.device)
+    padded[:, :k] = w.float()
+    return padded.view(n, groups, g)
+
+
+def quantize_weight(
+    w: torch.Tensor, bits: int = 4, group_size: int = 128, symmetric: bool = True
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Weight [N, K] -> (q [N, K] int32, scales [G, N] float32, zeros [G, N] int32 or None), G = ceil(K / g).
+
+    Symmetric: s = max(amax, 1e-10) / qmax (qmax = 2^(bits-1) - 1), q = clamp(rne(w / s), -qmax-1, qmax).
+    Asymmetric: lo = min(min w, 0), hi = max(max w, 0), s = max(hi - lo, 1e-10) / (2^bits - 1),
+    z = clamp(rne(-lo / s), 0, 2^bits - 1), q = clamp(rne(w / s) + z, 0, 2^bits - 1). True divisions."""
+    n, k = w.shape
+    groups = _weight_groups(w, group_size)
+    if symmetric:
+        qmax = float(2 ** (bits - 1) - 1)
+        scales = torch.clamp(groups.abs().amax(dim=2), min=SCALE_FLOOR) / qmax
+        q = torch.round(groups / scales.unsqueeze(2)).clamp(-qmax - 1, qmax)
+        zeros = None
+    else:
+        top = float(2**bits - 1)
+        lo = groups.amin(dim=2).clamp(max=0.0)
+        hi = groups.amax(dim=2).clamp(min=0.0)
+        scales = torch.clamp(hi - lo, min=SCALE_FLOOR) / top
+        zeros = torch.round(-lo / scales).clamp(0.0, top)
+        q = (torch.round(groups / scales.unsqueeze(2)) + zeros.unsqueeze(2)).clamp(0.0, top)
+        zeros = zeros.to(torch.int32).t().contiguous()
+    q = q.nan_to_num(0.0).reshape(n, -1)[:, :k].to(torch.int32)
+    return q, scales.t().contiguous(), zeros
+
+
+def dequantize_weight(
+    q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """w_hat[n, k] = round(dtype, float32(q[n, k] - z[g, n]) * s[g, n]), g = k // group_size.
+
+    q - z is an exact small integer; the product is the one float32 rounding, then the cast to dtype."""
+    n, k = q.shape
+    g = k if group_size == -1 else group_size
+    gidx = torch.arange(k, device=q.device) // g
+    diff = q.to(torch.int32)
+    if zeros is not None:
+        diff = diff - zeros.to(torch.int32).t()[:, gidx]
+    return (diff.float() * scales.float().t()[:, gidx]).to(dtype)
+
+
+def weight_only_mm(x: torch.Tensor, w_hat: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] @ w_hat[N, K].T (+ bias), float32 accumulation, one rounding to x.dtype."""
+    out = x.float() @ w_hat.float().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -65,3 +65,15 @@ def quantize_tile(device: torch.device, kind: str, k: int) -> Tile:
     block_k = min(triton.next_power_of_2(k), 1024)
     block_m = max(1, budget // block_k)
     return Tile(block_m, block_k, _warps(block_m * block_k))
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device_type: str, index) -> int:
+    if device_type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
+
+
+def max_partials(device: torch.device) -> int:
+    """Programs of a grid-stride reduction: two per SM, so the partials fit one 1024-wide block."""
+    return min(1024, 2 * _sm_count(device.type, device.index))

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET, cast_to, quantize_value, rne_f32_any, to_int8_sat_azp
-from .configs import quantize_tile
+from .configs import max_partials, quantize_tile
 
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
@@ -138,13 +138,18 @@ def _per_group_kernel(
 def _amax_partial_kernel(
     x_ptr, partial_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
 ):
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(partial_ptr + pid_m * tl.num_programs(1) + pid_k, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    # A few programs per SM stride over all tiles, so the quantize kernel has few partials to reduce.
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tiles_k
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for t in range(pid, num_tiles, tl.num_programs(0)):
+        rows = ((t // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = (t % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    tl.store(partial_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
 
 
 @triton.jit
@@ -157,11 +162,8 @@ def _per_tensor_kernel(
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     if DYNAMIC:
-        acc = tl.zeros([BLOCK_P], dtype=tl.float32)
-        for p0 in range(0, num_partials, BLOCK_P):
-            offs = p0 + tl.arange(0, BLOCK_P)
-            acc = tl.maximum(acc, tl.load(partial_ptr + offs, mask=offs < num_partials, other=0.0))
-        amax = tl.max(acc, axis=0)
+        offs = tl.arange(0, BLOCK_P)
+        amax = tl.max(tl.load(partial_ptr + offs, mask=offs < num_partials, other=0.0), axis=0)
         scale = _region_scale(amax, QMAX, False, partial_ptr)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(scale_ptr, scale)
@@ -263,8 +265,9 @@ def quantize_per_tensor(
     grid = (triton.cdiv(m, tile.block_m), triton.cdiv(k, tile.block_k))
     dynamic = scale is None
     if dynamic:
-        partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x2d.device)
-        _amax_partial_kernel[grid](
+        num_partials = min(grid[0] * grid[1], max_partials(x2d.device))
+        partials = torch.empty(num_partials, dtype=torch.float32, device=x2d.device)
+        _amax_partial_kernel[(num_partials,)](
             x2d, partials, m, k, x2d.stride(0), BLOCK_M=tile.block_m, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps,
         )
@@ -275,7 +278,8 @@ def quantize_per_tensor(
         x2d, q, scale, azp if azp is not None else scale, partials, partials.numel(),
         m, k, x2d.stride(0), q.stride(0),
         QMAX=_QMAX[dtype], IS_FP8=dtype == torch.float8_e4m3fn, DYNAMIC=dynamic, HAS_AZP=azp is not None,
-        BLOCK_M=tile.block_m, BLOCK_K=tile.block_k, BLOCK_P=1024, INTERPRET=INTERPRET,
+        BLOCK_M=tile.block_m, BLOCK_K=tile.block_k, BLOCK_P=triton.next_power_of_2(partials.numel()),
+        INTERPRET=INTERPRET,
         num_warps=tile.num_warps,
     )
     return q, scale
