@@ -55,10 +55,20 @@ def to_int8_sat(v):
 
 @triton.jit
 def to_int8_sat_azp(v, azp):
-    """sat_int8(rne(v) + azp), exact for any int32 azp: float64 holds every bound exactly."""
-    azp_f = azp.to(tl.float64)
-    w = tl.minimum(tl.maximum(v.to(tl.float64), -128.0 - azp_f), 127.0 - azp_f)
-    return (rne_f64(w) + azp_f).to(tl.int8)
+    """sat_int8(rne(v) + azp), exact for any int32 azp.
+
+    Clamping v to [-128 - azp, 127 - azp] before rounding equals saturating after adding (integer bounds).
+    With |azp| < 2^21 every step is exact in float32; a larger zero point (only a near-constant region
+    gives one) takes the float64 path, whose mantissa holds every int32 bound exactly."""
+    if tl.max(tl.abs(azp.to(tl.float32))) < 2097152.0:  # in float: abs(-2^31) overflows int32
+        azp_f = azp.to(tl.float32)
+        w = tl.minimum(tl.maximum(v, -128.0 - azp_f), 127.0 - azp_f)
+        q = rne_f32(w) + azp_f
+    else:
+        azp_d = azp.to(tl.float64)
+        w = tl.minimum(tl.maximum(v.to(tl.float64), -128.0 - azp_d), 127.0 - azp_d)
+        q = (rne_f64(w) + azp_d).to(tl.float32)
+    return q.to(tl.int8)
 
 
 @triton.jit
