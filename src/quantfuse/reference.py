@@ -228,6 +228,37 @@ def scaled_mm_blockwise(
 # ----------------------------------------------------------------------------------------------------
 # Section 3: fused SiLU-and-mul with quantization
 # ----------------------------------------------------------------------------------------------------
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """y = silu(gate) * up = gate / (1 + exp(-gate)) * up in float32 for x = [gate | up] of width 2H.
+
+    Evaluated in exactly this order (true division, then the product) so a kernel computing the same
+    float32 expression matches it bit for bit."""
+    h = x.shape[-1] // 2
+    xf = x.float()
+    gate, up = xf[..., :h], xf[..., h:]
+    return gate / (1.0 + torch.exp(-gate)) * up
+
+
+def silu_and_mul_quant(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    group_size: Optional[int] = None,
+    scale: Optional[torch.Tensor] = None,
+    scale_ub: Optional[torch.Tensor] = None,
+    transposed_scales: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul(x) quantized per group (group_size), per tensor (given scale) or per token (neither).
+
+    Returns (q [..., H], scales [M, H/g] | [M, 1] | the given scale)."""
+    y = silu_and_mul(x)
+    if group_size is not None:
+        q, scales, _ = quantize_per_group(y, dtype, group_size, scale_ub, transposed_scales)
+        return q, scales
+    if scale is not None:
+        return quantize_per_tensor(y, dtype, scale)[0], scale
+    q, scales, _ = quantize_per_token(y, dtype, scale_ub)
+    return q, scales
+
 
 
 # ----------------------------------------------------------------------------------------------------
