@@ -1,0 +1,202 @@
+"""Scaled matmul benchmark (issue 3): INT8 / FP8 GEMMs with fused epilogues vs torch, on one GPU, one run.
+
+Rows (every time is a CUDA-graph replay median with inputs rotated past L2, see common.time_ms):
+- int8: ours (per-token x per-channel + bias, bf16 out) vs torch._int_mm + the epilogue in torch
+  (in-place float ops) and vs bf16 F.linear with bias.
+- fp8: ours (same epilogue) vs torch._scaled_mm (rowwise scales, bf16 bias).
+- azp: ours with the per-token zero-point epilogue vs ours symmetric at the same shape.
+- blockwise: our 1x128 / 128x128 block-scaled fp8 vs our rowwise fp8 and vs torch._scaled_mm blockwise
+  (when this torch accepts it).
+TOPS count 2*M*N*K; peak = 1979 dense INT8/FP8 TOPS (H100 SXM); bf16 is also measured. For decode rows the
+weight-streaming bandwidth (bytes of b / time) is given as a fraction of the measured copy bandwidth.
+Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/bench_scaled_mm.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import quantfuse as qf  # noqa: E402
+from quantfuse.kernels import scaled_mm as kmm  # noqa: E402
+
+PEAK_TOPS = 1979.0
+INT8, FP8, BF16 = torch.int8, torch.float8_e4m3fn, torch.bfloat16
+LLAMA_KN = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192)]
+LLAMA_M = [1, 16, 1024, 4096]
+QUICK = os.environ.get("BENCH_QUICK", "0") == "1"
+
+
+def _q(shape, dtype):
+    if dtype == INT8:
+        return torch.randint(-128, 128, shape, dtype=INT8, device="cuda")
+    return (torch.randn(shape, device="cuda") * 60).to(FP8)
+
+
+def make_sets(m, k, n, dtype, extra_bytes=0):
+    per_call = m * k + k * n + 2 * m * n + extra_bytes
+    sets = []
+    for _ in range(common.rotation_count(per_call)):
+        a = _q((m, k), dtype)
+        w = _q((n, k), dtype)
+        sa = torch.rand(m, 1, device="cuda") * 1e-3 + 1e-4
+        sb = torch.rand(n, device="cuda") * 1e-3 + 1e-4
+        bias = torch.randn(n, device="cuda").to(BF16)
+        sets.append((a, w.t(), sa, sb, bias))
+    return sets
+
+
+def t(fn, sets):
+    return common.time_ms(fn, sets, graph=True, warmup=10 if QUICK else 20, rep=40 if QUICK else 80)
+
+
+def tops(m, k, n, ms):
+    return 2.0 * m * n * k / (ms * 1e-3) / 1e12
+
+
+# ---- the contenders --------------------------------------------------------------------------------
+def ours(a, b, sa, sb, bias):
+    return qf.scaled_mm(a, b, sa, sb, BF16, bias)
+
+
+def ours_azp(a, b, sa, sb, bias, adj, azp):
+    return qf.scaled_mm(a, b, sa, sb, BF16, bias, adj, azp)
+
+
+def torch_int_mm_unfused(a, b, sa, sb, bias):
+    return torch._int_mm(a, b).float().mul_(sa).mul_(sb).add_(bias).to(BF16)
+
+
+def torch_int_mm_alone(a, b, sa, sb, bias):
+    return torch._int_mm(a, b)
+
+
+def torch_scaled_mm_rowwise(a, b, sa, sb, bias):
+    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb.view(1, -1), bias=bias, out_dtype=BF16)
+
+
+def bf16_linear(x, w, bias):
+    return F.linear(x, w, bias)
+
+
+def ours_blockwise(a, b, sa, sb, bias):
+    return qf.scaled_mm_blockwise(a, b, sa, sb, BF16, bias)
+
+
+def torch_blockwise(a, b, sa, sb_cm, bias):
+    # torch wants scale_a [M, K/128] outer-dim-major and scale_b as the column-major [K/128, N/128]
+    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb_cm, out_dtype=BF16)
+
+
+def block_sets(fp8_sets, k, n):
+    out = []
+    kb, nb = -(-k // 128), -(-n // 128)
+    for a, b, _, _, bias in fp8_sets:
+        m = a.shape[0]
+        sa = (torch.rand(kb, m, device="cuda") * 0.1 + 0.01).t()  # the transposed layout of section 3
+        sb = (torch.rand(nb, kb, device="cuda") * 1e-3 + 1e-4).t()  # [kb, nb], column-major
+        out.append((a, b, sa, sb, bias))
+    return out
+
+
+def main():
+    torch.manual_seed(0)
+    info = common.env_info()
+    bw = common.copy_bandwidth_gbs()
+    bf16_peak = common.bf16_matmul_tflops()
+    print(f"device {info.get('device')}  copy {bw:.0f} GB/s  bf16 matmul {bf16_peak:.0f} TFLOPS")
+    rows = []
+    torch_blockwise_status = "untested"
+    start = time.time()
+
+    shapes = [(8192, 8192, 8192)] + [(m, k, n) for (k, n) in LLAMA_KN for m in LLAMA_M]
+    if QUICK:
+        shapes = [(8192, 8192, 8192), (1, 4096, 6144), (16, 4096, 28672), (1024, 4096, 4096), (4096, 14336, 4096)]
+    for m, k, n in shapes:
+        row = {"M": m, "K": k, "N": n}
+        # int8: ours vs torch._int_mm + torch epilogue vs bf16 F.linear
+        sets = make_sets(m, k, n, INT8)
+        row["int8_ms"] = ours_ms = t(ours, sets)
+        row["int8_TOPS"] = tops(m, k, n, ours_ms)
+        row["int8_frac_peak"] = row["int8_TOPS"] / PEAK_TOPS
+        row["int8_weight_GBs_frac_copy"] = (k * n / (ours_ms * 1e-3) / 1e9) / bw
+        if m > 16 and k % 8 == 0 and n % 8 == 0:
+            row["int_mm_epi_ms"] = t(torch_int_mm_unfused, sets)
+            row["x_vs_int_mm_epi"] = row["int_mm_epi_ms"] / ours_ms
+            if (m, k, n) == (8192, 8192, 8192):
+                row["int_mm_alone_ms"] = t(torch_int_mm_alone, sets)
+                row["int_mm_alone_TOPS"] = tops(m, k, n, row["int_mm_alone_ms"])
+        # zero-point epilogue overhead (per-token azp + bias) vs symmetric + bias
+        azp_sets = [(a, b, sa, sb, bias, qf.azp_adjustment(b), torch.randint(-100, 100, (m, 1), dtype=torch.int32, device="cuda"))
+                    for a, b, sa, sb, bias in sets]
+        row["azp_ms"] = t(ours_azp, azp_sets)
+        row["azp_overhead"] = row["azp_ms"] / ours_ms - 1.0
+        del sets, azp_sets
+        lin_sets = []
+        for _ in range(common.rotation_count(2 * (m * k + k * n + m * n))):
+            lin_sets.append((torch.randn(m, k, device="cuda", dtype=BF16), torch.randn(n, k, device="cuda", dtype=BF16),
+                             torch.randn(n, device="cuda", dtype=BF16)))
+        row["bf16_linear_ms"] = t(bf16_linear, lin_sets)
+        row["x_vs_bf16_linear"] = row["bf16_linear_ms"] / ours_ms
+        del lin_sets
+        # fp8: ours vs torch._scaled_mm rowwise + bias
+        sets = make_sets(m, k, n, FP8)
+        row["fp8_ms"] = fp8_ms = t(ours, sets)
+        row["fp8_TOPS"] = tops(m, k, n, fp8_ms)
+        row["fp8_frac_peak"] = row["fp8_TOPS"] / PEAK_TOPS
+        try:
+            row["scaled_mm_ms"] = t(torch_scaled_mm_rowwise, sets)
+            row["x_vs_scaled_mm"] = row["scaled_mm_ms"] / fp8_ms
+        except Exception as e:  # noqa: BLE001
+            row["scaled_mm_ms"] = f"error: {type(e).__name__}"
+        # blockwise fp8 vs our rowwise fp8 and torch blockwise
+        bsets = block_sets(sets, k, n)
+        row["blockwise_ms"] = t(ours_blockwise, bsets)
+        row["blockwise_vs_rowwise"] = fp8_ms / row["blockwise_ms"]
+        if torch_blockwise_status in ("untested", "ok"):
+            try:
+                row["torch_blockwise_ms"] = t(torch_blockwise, bsets)
+                row["x_vs_torch_blockwise"] = row["torch_blockwise_ms"] / row["blockwise_ms"]
+                torch_blockwise_status = "ok"
+            except Exception as e:  # noqa: BLE001
+                torch_blockwise_status = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        del sets, bsets
+        torch.cuda.empty_cache()
+        rows.append(row)
+        def fmt(key):
+            v = row.get(key)
+            return f"{v:.2f}" if isinstance(v, float) else "n/a"
+
+        print(f"[{time.time() - start:6.1f}s] {m}x{k}x{n}: int8 {row['int8_TOPS']:.0f} TOPS ({fmt('x_vs_int_mm_epi')}x int_mm+epi, "
+              f"{fmt('x_vs_bf16_linear')}x bf16), fp8 {row['fp8_TOPS']:.0f} TOPS ({fmt('x_vs_scaled_mm')}x scaled_mm), "
+              f"azp +{100 * row['azp_overhead']:.1f}%, blockwise {fmt('blockwise_vs_rowwise')}x rowwise, "
+              f"{fmt('x_vs_torch_blockwise')}x torch blockwise", flush=True)
+
+    columns = ["M", "K", "N", "int8_ms", "int8_TOPS", "int8_frac_peak", "int_mm_epi_ms", "x_vs_int_mm_epi",
+               "bf16_linear_ms", "x_vs_bf16_linear", "azp_ms", "azp_overhead", "fp8_ms", "fp8_TOPS", "fp8_frac_peak",
+               "scaled_mm_ms", "x_vs_scaled_mm", "blockwise_ms", "blockwise_vs_rowwise", "torch_blockwise_ms",
+               "x_vs_torch_blockwise", "int8_weight_GBs_frac_copy", "int_mm_alone_ms", "int_mm_alone_TOPS"]
+    tuned = {str(k): str(v) for k, v in kmm._tuned.items()}
+    notes = (f"copy bandwidth {bw:.0f} GB/s, bf16 matmul {bf16_peak:.0f} TFLOPS measured; peak INT8/FP8 dense {PEAK_TOPS} TOPS. "
+             f"torch._scaled_mm blockwise: {torch_blockwise_status}. autotune={'on' if kmm._autotune_enabled() else 'off'}")
+    path = common.write_result("scaled_mm", "Scaled matmul with fused epilogues (INT8/FP8) and blockwise FP8", rows,
+                               columns=columns, notes=notes, extra={"tuned_configs": tuned})
+    print()
+    common.print_table(rows, ["M", "K", "N", "int8_TOPS", "x_vs_int_mm_epi", "x_vs_bf16_linear", "azp_overhead",
+                              "fp8_TOPS", "x_vs_scaled_mm", "blockwise_vs_rowwise", "x_vs_torch_blockwise"])
+    print(notes)
+    if tuned:
+        for k, v in tuned.items():
+            print("tuned", k, v)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

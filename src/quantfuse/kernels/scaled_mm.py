@@ -1,0 +1,487 @@
+"""Scaled matmul with fused epilogues (SPEC section 2): INT8 and FP8 GEMMs and block-scaled FP8.
+
+Math (acc = a_q @ b_q; int32 and exact for int8, float32 for fp8):
+    out[i, j] = (scale_a[i] * scale_b[j]) * float(acc[i, j] - corr[i, j]) + bias[j]
+    corr = 0                      (ScaledEpilogue, ScaledEpilogueBias)
+         = azp_adj[j]             (ScaledEpilogueAzp: azp_adj = z_a * colsum(b_q), per-tensor z_a)
+         = azp[i] * azp_adj[j]    (ScaledEpilogueAzpPerToken: azp_adj = colsum(b_q))
+  corr is subtracted in int32 (exact, before any float conversion); one rounding to out dtype at the end.
+Blockwise FP8 (1x128 activation groups, 128x128 weight blocks):
+    out[i, j] = sum_kb (scale_a[i, kb] * scale_b[kb, j // 128]) * dot(a[i, kb-block], b[kb-block, j]) + bias[j]
+
+Design:
+- One tile kernel per family. Tiles are visited in grouped order (GROUP_M row-tiles share a column
+  band of b) so the weight band stays in L2 while a moves through it.
+- Rows/columns past M/N are wrapped (index % M) instead of masked, so the tile loads stay unmasked in
+  M and N; only the K tail is masked, and only when K is not a multiple of the K step (EVEN_K).
+- Small M (decode) is weight streaming: few output tiles cannot occupy the GPU, so K is split across
+  programs (SPLIT_K). Each split writes its raw partial (int32 for int8, exact) to a workspace and a
+  second kernel sums the splits and applies the epilogue. Deterministic, no atomics, no memset, so it
+  is CUDA-graph safe.
+- Configs come from a table per architecture and M bucket (`CONFIGS`), never from a tuning sweep at
+  first call. QUANTFUSE_AUTOTUNE=1 opts in to timing the bucket's candidates once per shape.
+- Under the Triton interpreter, fp8 loads cannot take `other=`; the K tail is then zeroed after the load
+  and the fp8 product is formed from float32 upcasts (exact: a product of two fp8 values fits float32).
+  The interpreter's int8 tl.dot with an int32 accumulator is exact (checked in the tests against int64),
+  so int8 needs no twin.
+Launchers assume arguments were validated by `quantfuse.ops`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, cast_to
+from .configs import arch_key
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config table: per architecture, per M bucket (upper bound of M), a list of candidates; the first is
+# the shipped choice, the rest are what QUANTFUSE_AUTOTUNE=1 tries.
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MMConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    # split-K is chosen at launch from the SM count unless fixed here (0 = automatic)
+    split_k: int = 0
+
+
+_BIG = 1 << 62
+
+CONFIGS: Dict[str, List[Tuple[int, List[MMConfig]]]] = {
+    "sm90": [
+        (16, [MMConfig(16, 64, 256, 4, 4), MMConfig(16, 128, 128, 4, 5), MMConfig(16, 32, 256, 4, 4)]),
+        (64, [MMConfig(64, 64, 256, 4, 4), MMConfig(64, 128, 128, 4, 4), MMConfig(32, 64, 256, 4, 4)]),
+        (256, [MMConfig(64, 128, 128, 4, 4), MMConfig(128, 128, 128, 8, 4), MMConfig(64, 256, 128, 8, 3)]),
+        (_BIG, [MMConfig(128, 256, 128, 8, 3), MMConfig(128, 128, 128, 8, 4), MMConfig(256, 128, 128, 8, 3)]),
+    ],
+    "default": [
+        (16, [MMConfig(16, 64, 128, 4, 3)]),
+        (64, [MMConfig(64, 64, 128, 4, 3)]),
+        (_BIG, [MMConfig(128, 128, 64, 8, 3), MMConfig(64, 128, 64, 4, 3)]),
+    ],
+}
+
+# Blockwise FP8: BLOCK_K divides the 128-wide scale group so each K step has one activation scale per
+# row; BLOCK_N <= 128 and 128 % BLOCK_N == 0 so a tile sees one weight-block scale per K step.
+BLOCKWISE_CONFIGS: Dict[str, List[Tuple[int, List[MMConfig]]]] = {
+    "sm90": [
+        (16, [MMConfig(16, 64, 128, 4, 4), MMConfig(16, 128, 128, 4, 4)]),
+        (64, [MMConfig(64, 64, 128, 4, 4), MMConfig(64, 128, 128, 4, 4)]),
+        (256, [MMConfig(64, 128, 128, 4, 4), MMConfig(128, 128, 128, 8, 3)]),
+        (_BIG, [MMConfig(128, 128, 128, 8, 4), MMConfig(128, 128, 128, 4, 4), MMConfig(64, 128, 128, 4, 4)]),
+    ],
+    "default": [
+        (16, [MMConfig(16, 64, 128, 4, 3)]),
+        (_BIG, [MMConfig(64, 128, 128, 4, 3)]),
+    ],
+}
+
+# Under the interpreter every program is a Python loop: small tiles keep the CPU tests fast.
+_INTERPRET_CONFIG = MMConfig(16, 32, 32, 4, 1, group_m=2)
+
+
+def _bucket(table, m: int) -> List[MMConfig]:
+    for upper, configs in table:
+        if m <= upper:
+            return configs
+    return table[-1][1]
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
+
+
+def choose_split_k(m: int, n: int, k: int, cfg: MMConfig, device: torch.device) -> int:
+    """Split K until about two programs per SM are in flight, keeping at least 4 K steps per split so the
+    software pipeline still overlaps loads with math. Only the small-M buckets get here with few tiles."""
+    if cfg.split_k:
+        return cfg.split_k
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    k_steps = triton.cdiv(k, cfg.block_k)
+    target = 2 * _sm_count(device)
+    if tiles >= target // 2 or k_steps < 8:
+        return 1
+    split = min(triton.cdiv(target, tiles), k_steps // 4, 16)
+    return max(1, split)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Device code
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _tile_coords(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M consecutive row-tiles walk one column band together (L2 reuse of b)."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _load_operand(ptrs, k_ok, EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """Load an int8/fp8 tile; masked-off K lanes read as 0. Under the interpreter fp8 comes back as its
+    float32 upcast (the interpreter cannot cast `other=0` to fp8), which the dot consumes exactly."""
+    if EVEN_K:
+        x = tl.load(ptrs)
+        if IS_FP8 and INTERPRET:
+            x = x.to(tl.float32)
+    elif IS_FP8 and INTERPRET:
+        x = tl.where(k_ok, tl.load(ptrs, mask=k_ok).to(tl.float32), 0.0)
+    else:
+        x = tl.load(ptrs, mask=k_ok, other=0)
+    return x
+
+
+@triton.jit
+def _mma(a, b, acc, IS_FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    # one return per constexpr branch: the code generator does not prune statements after a return
+    if IS_FP8:
+        if INTERPRET:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    else:
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    return acc
+
+
+@triton.jit
+def _epilogue(
+    acc, rm, rn, M, N,
+    scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
+    SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_COL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    AZP_MODE: tl.constexpr, APPLY_SCALES: tl.constexpr,
+):
+    """acc (int32 or float32) -> float32 result before the final rounding (see module docstring)."""
+    m_ok = rm < M
+    n_ok = rn < N
+    if AZP_MODE == 1:
+        acc = acc - tl.load(azp_adj_ptr + rn, mask=n_ok, other=0)[None, :]
+    elif AZP_MODE == 2:
+        adj = tl.load(azp_adj_ptr + rn, mask=n_ok, other=0)
+        zp = tl.load(azp_ptr + rm, mask=m_ok, other=0)
+        acc = acc - zp[:, None] * adj[None, :]
+    out = acc.to(tl.float32)
+    if APPLY_SCALES:
+        if SCALE_A_PER_ROW:
+            sa = tl.load(scale_a_ptr + rm, mask=m_ok, other=0.0)[:, None]
+        else:
+            sa = tl.load(scale_a_ptr)
+        if SCALE_B_PER_COL:
+            sb = tl.load(scale_b_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        else:
+            sb = tl.load(scale_b_ptr)
+        out = (sa * sb) * out
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return out
+
+
+@triton.jit
+def _scaled_mm_kernel(
+    a_ptr, b_ptr, out_ptr, ws_ptr,
+    scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
+    M, N, K, K_PER_SPLIT,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_om,
+    IS_FP8: tl.constexpr, SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_COL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, AZP_MODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # wrapped indices: out-of-range rows/columns re-read valid memory and are never stored (no
+    # contiguity hints on them: at the wrap they are not contiguous)
+    ram = (rm % M).to(tl.int64)
+    rbn = (rn % N).to(tl.int64)
+    k_start = pid_k * K_PER_SPLIT
+    rk = k_start + tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + ram[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rk[:, None] * stride_bk + rbn[None, :] * stride_bn
+    if IS_FP8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = _load_operand(a_ptrs, (kk < k_end)[None, :], EVEN_K, IS_FP8, INTERPRET)
+        b = _load_operand(b_ptrs, (kk < k_end)[:, None], EVEN_K, IS_FP8, INTERPRET)
+        acc = _mma(a, b, acc, IS_FP8, INTERPRET)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    if SPLIT_K == 1:
+        out = _epilogue(
+            acc, rm, rn, M, N, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
+            SCALE_A_PER_ROW, SCALE_B_PER_COL, HAS_BIAS, AZP_MODE, True,
+        )
+        o_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+        tl.store(o_ptrs, cast_to(out, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    else:
+        ws = ws_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+        tl.store(ws, acc, mask=mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    ws_ptr, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
+    M, N, stride_om,
+    SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_COL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    AZP_MODE: tl.constexpr, APPLY_SCALES: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Sum the SPLIT_K partials (int32 sums stay exact) and apply the epilogue once."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    ptrs = ws_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+    acc = tl.load(ptrs, mask=mask, other=0)
+    for s in range(1, SPLIT_K):
+        acc += tl.load(ptrs + s * M * N, mask=mask, other=0)
+    out = _epilogue(
+        acc, rm, rn, M, N, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
+        SCALE_A_PER_ROW, SCALE_B_PER_COL, HAS_BIAS, AZP_MODE, APPLY_SCALES,
+    )
+    o_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(o_ptrs, cast_to(out, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _blockwise_kernel(
+    a_ptr, b_ptr, out_ptr, ws_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+    M, N, K, K_PER_SPLIT,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_om,
+    stride_sam, stride_sak, stride_sbk, stride_sbn,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ram = (rm % M).to(tl.int64)
+    rbn = (rn % N).to(tl.int64)
+    k_start = pid_k * K_PER_SPLIT
+    rk = k_start + tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + ram[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rk[:, None] * stride_bk + rbn[None, :] * stride_bn
+    sa_ptrs = scale_a_ptr + ram * stride_sam
+    # BLOCK_N divides 128, so the whole tile shares one weight-block column
+    sb_ptr = scale_b_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_sbn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = _load_operand(a_ptrs, (kk < k_end)[None, :], EVEN_K, True, INTERPRET)
+        b = _load_operand(b_ptrs, (kk < k_end)[:, None], EVEN_K, True, INTERPRET)
+        kb = k0 // SCALE_BLOCK
+        sa = tl.load(sa_ptrs + kb * stride_sak)
+        sb = tl.load(sb_ptr + kb * stride_sbk)
+        partial = _mma(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), True, INTERPRET)
+        acc += (sa * sb)[:, None] * partial
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    if SPLIT_K == 1:
+        out = acc
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        o_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+        tl.store(o_ptrs, cast_to(out, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    else:
+        ws = ws_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+        tl.store(ws, acc, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------
+_tuned: Dict[tuple, MMConfig] = {}
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("QUANTFUSE_AUTOTUNE", "0") == "1"
+
+
+def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple, run) -> MMConfig:
+    if device.type != "cuda":
+        return _INTERPRET_CONFIG
+    candidates = _bucket(table[arch_key(device.type, device.index)], m)
+    if not _autotune_enabled() or len(candidates) == 1:
+        return candidates[0]
+    if key not in _tuned:
+        # opt-in: time each candidate once for this exact shape (not inside graph capture)
+        best, best_ms = candidates[0], float("inf")
+        for cfg in candidates:
+            try:
+                ms = triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=20, return_mode="median")
+            except Exception:  # a candidate that does not fit (shared memory) is skipped
+                continue
+            if ms < best_ms:
+                best, best_ms = cfg, ms
+        _tuned[key] = best
+    return _tuned[key]
+
+
+def _k_partition(k: int, cfg: MMConfig, split: int) -> Tuple[int, bool]:
+    k_steps = triton.cdiv(k, cfg.block_k)
+    k_per_split = triton.cdiv(k_steps, split) * cfg.block_k
+    even_k = k % cfg.block_k == 0
+    return k_per_split, even_k
+
+
+def _effective_split(k: int, cfg: MMConfig, split: int) -> int:
+    # after rounding K_PER_SPLIT up to whole steps, trailing splits may be empty: drop them
+    k_per_split, _ = _k_partition(k, cfg, split)
+    return max(1, triton.cdiv(k, k_per_split))
+
+
+def scaled_mm(
+    a2d: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    azp_adj: Optional[torch.Tensor],
+    azp: Optional[torch.Tensor],
+    config: Optional[MMConfig] = None,
+) -> torch.Tensor:
+    """out [M, N] for a2d [M, K] (unit last stride, any row stride) and b [K, N] (any strides).
+
+    scale_a numel 1 or M, scale_b numel 1 or N (float32), bias [N], azp_adj [N] int32, azp numel M int32."""
+    m, k = a2d.shape
+    n = b.shape[1]
+    out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
+    is_fp8 = a2d.dtype == torch.float8_e4m3fn
+    scale_a = scale_a.reshape(-1).contiguous()
+    scale_b = scale_b.reshape(-1).contiguous()
+    if azp_adj is None:
+        azp_mode = 0
+    elif azp is None:
+        azp_mode = 1
+    else:
+        azp_mode = 2
+        azp = azp.reshape(-1).contiguous()
+    dummy = scale_a
+
+    def launch(cfg: MMConfig) -> torch.Tensor:
+        split = _effective_split(k, cfg, choose_split_k(m, n, k, cfg, a2d.device))
+        k_per_split, even_k = _k_partition(k, cfg, split)
+        ws = dummy
+        if split > 1:
+            ws = torch.empty((split, m, n), dtype=torch.float32 if is_fp8 else torch.int32, device=a2d.device)
+        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+        common = dict(
+            SCALE_A_PER_ROW=scale_a.numel() > 1, SCALE_B_PER_COL=scale_b.numel() > 1,
+            HAS_BIAS=bias is not None, AZP_MODE=azp_mode, INTERPRET=INTERPRET,
+        )
+        _scaled_mm_kernel[grid](
+            a2d, b, out, ws, scale_a, scale_b,
+            bias if bias is not None else dummy,
+            azp_adj if azp_adj is not None else dummy,
+            azp if azp is not None else dummy,
+            m, n, k, k_per_split,
+            a2d.stride(0), a2d.stride(1), b.stride(0), b.stride(1), out.stride(0),
+            IS_FP8=is_fp8, SPLIT_K=split, EVEN_K=even_k,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )
+        if split > 1:
+            _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, True, common)
+        return out
+
+    if config is None:
+        key = ("mm", a2d.dtype, m, n, k, b.stride(0) == 1, azp_mode, bias is not None, out_dtype)
+        config = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch)
+    return launch(config)
+
+
+def _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, apply_scales, common):
+    m, n = out.shape
+    block_m, block_n = (16, 32) if INTERPRET else (16, 256)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _split_k_reduce_kernel[grid](
+        ws, out, scale_a, scale_b,
+        bias if bias is not None else dummy,
+        azp_adj if azp_adj is not None else dummy,
+        azp if azp is not None else dummy,
+        m, n, out.stride(0),
+        APPLY_SCALES=apply_scales, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, **common,
+    )
+
+
+def scaled_mm_blockwise(
+    a2d: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    config: Optional[MMConfig] = None,
+) -> torch.Tensor:
+    """Block-scaled fp8: scale_a [M, ceil(K/128)] (any strides), scale_b [ceil(K/128), ceil(N/128)]."""
+    m, k = a2d.shape
+    n = b.shape[1]
+    out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
+    dummy = out
+
+    def launch(cfg: MMConfig) -> torch.Tensor:
+        split = _effective_split(k, cfg, choose_split_k(m, n, k, cfg, a2d.device))
+        k_per_split, even_k = _k_partition(k, cfg, split)
+        ws = dummy
+        if split > 1:
+            ws = torch.empty((split, m, n), dtype=torch.float32, device=a2d.device)
+        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+        _blockwise_kernel[grid](
+            a2d, b, out, ws, scale_a, scale_b, bias if bias is not None else dummy,
+            m, n, k, k_per_split,
+            a2d.stride(0), a2d.stride(1), b.stride(0), b.stride(1), out.stride(0),
+            scale_a.stride(0), scale_a.stride(1), scale_b.stride(0), scale_b.stride(1),
+            HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            SCALE_BLOCK=128, INTERPRET=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if split > 1:
+            common = dict(SCALE_A_PER_ROW=False, SCALE_B_PER_COL=False, HAS_BIAS=bias is not None,
+                          AZP_MODE=0, INTERPRET=INTERPRET)
+            _launch_reduce(ws, out, dummy, dummy, bias, None, None, dummy, split, False, common)
+        return out
+
+    if config is None:
+        key = ("blockwise", m, n, k, b.stride(0) == 1, bias is not None, out_dtype)
+        config = _pick_config(BLOCKWISE_CONFIGS, m, n, k, a2d.device, key, launch)
+    return launch(config)
+
+
+def azp_adjustment(b: torch.Tensor, azp: Optional[torch.Tensor]) -> torch.Tensor:
+    """colsum(b_q) as int32, times the per-tensor zero point when given (offline, torch is enough)."""
+    colsum = b.to(torch.int32).sum(dim=0, dtype=torch.int32)
+    if azp is not None:
+        colsum = colsum * azp.reshape(()).to(torch.int32)
+    return colsum

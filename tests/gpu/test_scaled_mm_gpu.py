@@ -1,0 +1,220 @@
+"""Scaled matmul on the GPU at full size (SPEC section 2).
+
+Error bounds (stated, per element, against the float32 reference computed from the same quantized ints):
+- int8: the int32 accumulator is exact, so the only error is the final rounding (half an ulp of the
+  output type, relative) plus float32 epilogue rounding:
+      |out - ref| <= 2^-8 |ref| + 2^-20 (|s_a s_b acc| + |bias|)        (bf16; 2^-11 for fp16, 2^-22 for fp32)
+- fp8: additionally the float32 (tensor-core) accumulation order:
+      |out - ref| <= 2^-8 |ref| + 2^-12 s_a s_b (|a| @ |b|) + 2^-20 |bias|
+- zero-point epilogues: exact in int32 before scaling (unit scales, fp32 out, compared to int64 math).
+- blockwise fp8: mean|out - ref| / mean|ref| < 1e-3.
+The tests print the worst observed error relative to each bound.
+"""
+
+import pytest
+import torch
+
+import quantfuse as qf
+from quantfuse import reference as ref
+from quantfuse.kernels import scaled_mm as kmm
+
+pytestmark = pytest.mark.gpu
+
+INT8, FP8 = torch.int8, torch.float8_e4m3fn
+M_GRID = [1, 7, 16, 17, 64, 128, 1024, 4096]
+KN_GRID = [
+    (4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192),
+    (3420, 1280), (255, 513), (971, 1024), (20486, 128),
+]
+REL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-22}
+
+
+def _operands(m, k, n, dtype, device="cuda"):
+    if dtype == INT8:
+        a = torch.randint(-128, 128, (m, k), dtype=INT8, device=device)
+        w = torch.randint(-128, 128, (n, k), dtype=INT8, device=device)
+    else:
+        a = (torch.randn(m, k, device=device) * 60).to(FP8)
+        w = (torch.randn(n, k, device=device) * 60).to(FP8)
+    return a, w.t()  # b = w.t(): the K-contiguous fast path
+
+
+def _scales(m, n, per_token=True, per_channel=True):
+    sa = torch.rand(m if per_token else 1, 1, device="cuda") * 1e-3 + 1e-4
+    sb = torch.rand(n if per_channel else 1, device="cuda") * 1e-3 + 1e-4
+    return sa, sb
+
+
+def assert_within_bound(out, a, b, sa, sb, bias, azp_adj=None, azp=None):
+    want = ref.scaled_mm(a, b, sa, sb, torch.float32, bias, azp_adj, azp).reshape(-1, b.shape[1])
+    got = out.float().reshape(-1, b.shape[1])
+    m, n = got.shape
+    s = (sa.reshape(-1, 1) if sa.numel() > 1 else sa.reshape(())) * (sb.reshape(1, -1) if sb.numel() > 1 else sb.reshape(()))
+    bias_abs = bias.float().abs().reshape(1, n) if bias is not None else 0.0
+    unbiased = (want - (bias.float().reshape(1, n) if bias is not None else 0.0)).abs()
+    bound = REL[out.dtype] * want.abs() + 2.0**-20 * (unbiased + bias_abs)
+    if a.dtype == FP8:
+        abs_dot = (a.reshape(m, -1).double().abs() @ b.double().abs()).float()
+        bound = bound + 2.0**-12 * s.abs() * abs_dot
+    ratio = float(((got - want).abs() / bound.clamp_min(1e-30)).max())
+    print(f"worst error / bound = {ratio:.3g}")
+    assert ratio <= 1.0, ratio
+
+
+def _sampled_grid():
+    cases = []
+    for i, (k, n) in enumerate(KN_GRID):
+        for j in (0, 3, 5):
+            cases.append((M_GRID[(i + j) % len(M_GRID)], k, n))
+    return cases
+
+
+@pytest.mark.parametrize("m,k,n", _sampled_grid())
+@pytest.mark.parametrize("dtype", [INT8, FP8])
+def test_grid_per_token_per_channel_bias(m, k, n, dtype):
+    a, b = _operands(m, k, n, dtype)
+    sa, sb = _scales(m, n)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    out = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert_within_bound(out, a, b, sa, sb, bias)
+
+
+# every out dtype, scale granularity and bias dtype at least once per operand type (each combination is a
+# separate compile, so the CPU tests carry the full cross product on small shapes)
+EPILOGUE_CASES = [
+    (torch.bfloat16, True, True, torch.float32),
+    (torch.float16, False, False, None),
+    (torch.float32, True, False, torch.float16),
+    (torch.bfloat16, False, True, torch.bfloat16),
+    (torch.float16, True, True, None),
+]
+
+
+@pytest.mark.parametrize("dtype", [INT8, FP8])
+@pytest.mark.parametrize("out_dtype,per_token,per_channel,bias_dtype", EPILOGUE_CASES)
+def test_epilogues_and_granularities(dtype, out_dtype, per_token, per_channel, bias_dtype):
+    m, k, n = 300, 4096, 1024 + 48
+    a, b = _operands(m, k, n, dtype)
+    sa, sb = _scales(m, n, per_token, per_channel)
+    bias = None if bias_dtype is None else torch.randn(n, device="cuda").to(bias_dtype)
+    out = qf.scaled_mm(a, b, sa, sb, out_dtype, bias)
+    assert_within_bound(out, a, b, sa, sb, bias)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (16, 14336, 4096), (17, 3420, 1280), (1024, 4096, 4096), (4096, 971, 1024)])
+def test_zero_point_epilogues_exact_int32(m, k, n):
+    a, b = _operands(m, k, n, INT8)
+    one_a = torch.ones(1, device="cuda")
+    one_b = torch.ones(1, device="cuda")
+    acc64 = (a.double() @ b.double()).long()  # exact: |acc| < 2^53
+    colsum = b.long().sum(0)
+    z = torch.tensor([-37], dtype=torch.int32, device="cuda")
+    adj_tensor = qf.azp_adjustment(b, z)
+    got = qf.scaled_mm(a, b, one_a, one_b, torch.float32, None, adj_tensor)
+    want = (acc64 - int(z) * colsum).to(torch.int32).float()
+    assert torch.equal(got, want)
+    azp = torch.randint(-300, 300, (m, 1), dtype=torch.int32, device="cuda")
+    got = qf.scaled_mm(a, b, one_a, one_b, torch.float32, None, qf.azp_adjustment(b), azp)
+    want = (acc64 - azp.long() * colsum).to(torch.int32).float()
+    assert torch.equal(got, want)
+    # and with real scales and a bias, against the bound
+    sa, sb = _scales(m, n)
+    bias = torch.randn(n, device="cuda")
+    out = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias, qf.azp_adjustment(b), azp)
+    assert_within_bound(out, a, b, sa, sb, bias, qf.azp_adjustment(b), azp)
+
+
+@pytest.mark.parametrize("dtype", [INT8, FP8])
+def test_layouts_padded_rows_and_strided_b(dtype):
+    m, k, n = 1000, 4096, 2000
+    a_full, _ = _operands(m, k + 64, n, dtype)
+    a = a_full[:, 16 : 16 + k]  # padded-row view, row stride k + 64
+    _, b_kmajor = _operands(m, k, n, dtype)
+    b_nmajor = b_kmajor.contiguous()  # [K, N] row-major
+    b_sliced = _operands(2 * k, 2 * n, 1, dtype)[0][::2, ::2]  # [K, N], both strides non-unit
+    sa, sb = _scales(m, n)
+    for b in (b_kmajor, b_nmajor, b_sliced):
+        out = qf.scaled_mm(a, b, sa, sb, torch.bfloat16)
+        if dtype == INT8:  # exact accumulator: the layout cannot change a single bit
+            assert torch.equal(out, qf.scaled_mm(a.contiguous(), b.contiguous(), sa, sb, torch.bfloat16))
+        assert_within_bound(out, a, b, sa, sb, None)
+    a3 = a_full[: 999].reshape(27, 37, k + 64)[..., :k]
+    out3 = qf.scaled_mm(a3, b_kmajor, sa[:999], sb, torch.bfloat16)
+    assert out3.shape == (27, 37, n)
+    assert_within_bound(out3, a3, b_kmajor, sa[:999], sb, None)
+
+
+@pytest.mark.parametrize("dtype", [INT8, FP8])
+@pytest.mark.parametrize("split_k", [2, 5])
+def test_forced_split_k(dtype, split_k):
+    m, k, n = 33, 5000, 700
+    a, b = _operands(m, k, n, dtype)
+    sa, sb = _scales(m, n)
+    bias = torch.randn(n, device="cuda")
+    cfg = kmm.MMConfig(16, 64, 128, 4, 3, split_k=split_k)
+    out = kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, bias, None, None, config=cfg)
+    assert_within_bound(out, a, b, sa, sb, bias)
+
+
+def _block_operands(m, k, n, transposed_scales):
+    x = torch.randn(m, k, device="cuda") * 3
+    kb, nb = -(-k // 128), -(-n // 128)
+    a = (x / 8).to(FP8)
+    sa = torch.rand(m, kb, device="cuda") * 0.1 + 0.01
+    if transposed_scales:
+        sa = sa.t().contiguous().t()
+    w = (torch.randn(n, k, device="cuda") * 60).to(FP8)
+    sb = torch.rand(kb, nb, device="cuda") * 1e-3 + 1e-4
+    return a, w.t(), sa, sb
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (7, 14336, 4096), (64, 3420, 1280), (128, 255, 513), (1024, 8192, 10240), (4096, 4096, 4096), (17, 20486, 128), (300, 971, 1024)])
+@pytest.mark.parametrize("transposed_scales", [False, True])
+def test_blockwise(m, k, n, transposed_scales):
+    a, b, sa, sb = _block_operands(m, k, n, transposed_scales)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    out = qf.scaled_mm_blockwise(a, b, sa, sb, torch.bfloat16, bias)
+    want = ref.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
+    rel = float((out.float() - want).abs().mean() / want.abs().mean())
+    print(f"blockwise mean rel error {rel:.3g}")
+    assert rel < 1e-3
+
+
+def test_torch_compile_fullgraph_and_cuda_graph():
+    m, k, n = 64, 4096, 1024
+    a, b = _operands(m, k, n, INT8)
+    sa, sb = _scales(m, n)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    fa, fb = _operands(m, k, n, FP8)
+    bsa = torch.rand(m, k // 128, device="cuda") * 0.1
+    bsb = torch.rand(k // 128, n // 128, device="cuda") * 1e-3
+
+    azp7 = torch.randint(-50, 50, (7, 1), dtype=torch.int32, device="cuda")
+
+    def f(a, b, fa, fb):
+        return (
+            qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias),
+            qf.scaled_mm(fa, fb, sa, sb, torch.float16, None),
+            qf.scaled_mm_blockwise(fa, fb, bsa, bsb, torch.bfloat16, bias),
+            qf.scaled_mm(a[:7], b, sa[:7], sb, torch.bfloat16, None, qf.azp_adjustment(b), azp7),
+        )
+
+    eager = f(a, b, fa, fb)
+    compiled = torch.compile(f, fullgraph=True)(a, b, fa, fb)
+    for x, y in zip(eager, compiled):
+        assert torch.equal(x, y)
+
+    static = [t.clone() for t in (a, b, fa, fb)]
+    f(*static)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = f(*static)
+    new = _operands(m, k, n, INT8) + _operands(m, k, n, FP8)
+    for s, t in zip(static, new):
+        s.copy_(t)
+    graph.replay()
+    torch.cuda.synchronize()
+    for x, y in zip(captured, f(*new)):
+        assert torch.equal(x, y)
