@@ -1,0 +1,285 @@
+"""Weight-only INT4/INT8 GEMM (SPEC section 4): magic-number dequantization fused into the matmul.
+
+Packed layout (built by `quantfuse.weights.pack_codes`): codes are stored *biased* (unsigned,
+u = q + 2^(bits-1) for symmetric weights, so the zero point is a plain integer) in int32 words, one row
+of words per output channel, qweight [N, K_pad / (32 / bits)]. K is cut into chunks of 16 words
+(128 codes for int4, 64 for int8) and *interleaved* inside a chunk: field i (bits i*b .. i*b+b-1) of
+word j holds k = chunk * 16 * (32 / b) + 16 * i + j. Extracting field i of a [BLOCK_N, 16] word tile
+therefore yields the weight for 16 *consecutive* k, so every field feeds one [BLOCK_N, 16] x [16, BLOCK_M]
+tensor-core product against a contiguous slice of x: no shuffles, no reshapes, no gathers. K_pad rounds
+K up to a whole chunk with code 0; x is masked to 0 there.
+
+Conversion (the FasterTransformer trick, seed 003, in plain Triton bit arithmetic): OR-ing a code
+(< 2^23) into the mantissa of 2^23 (0x4B000000) gives the float32 2^23 + u exactly, so
+`bitcast(u | 0x4B000000) - (2^23 + z)` is the exact integer u - z with one shift, one AND/OR (one LOP3)
+and one FADD: no integer-to-float instruction. Then w_hat = round(dtype, (u - z) * s): the zero point is
+subtracted exactly before the one scaling multiply, never folded into a rounded FMA (SPEC section 4).
+
+Kernels:
+- `_wo_mm_kernel` computes the transposed tile out^T[BLOCK_N, BLOCK_M] = W_hat x^T so the dequantized
+  operand is the left (register) operand of the MMA, where Hopper takes it from registers. For decode
+  (M <= 16) the K range is split over programs (split-K) so that every SM streams its share of the
+  weight once; partial sums (float32) are reduced by `_splitk_reduce_kernel` with bias and the one
+  rounding. Scales (and zero points) are loaded once per group per chunk.
+- `_dequant_kernel` writes w_hat [N, K] (for `QuantizedWeight.dequantize` and for large M, where
+  dequantize-once + cuBLAS can beat the fused kernel; the crossover is data in `_DISPATCH`).
+Launchers assume the arguments were validated by `quantfuse.ops`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, cast_to
+from .configs import arch_key
+
+WORDS_PER_CHUNK = 16
+
+
+def codes_per_word(bits: int) -> int:
+    return 32 // bits
+
+
+def chunk_codes(bits: int) -> int:
+    """K elements covered by one 16-word chunk: 128 for int4, 64 for int8."""
+    return WORDS_PER_CHUNK * codes_per_word(bits)
+
+
+# Launch configurations, keyed by architecture. Each entry: rows M up to `max_m` use this tile.
+# `programs_per_sm`: split-K target (decode). cublas_min_m: from this M on, dequantize once + cuBLAS.
+_DISPATCH = {
+    "sm90": {
+        "tiles": [
+            dict(max_m=16, block_m=16, block_n=64, num_warps=4, num_stages=4, programs_per_sm=4),
+            dict(max_m=32, block_m=32, block_n=64, num_warps=4, num_stages=4, programs_per_sm=2),
+            dict(max_m=64, block_m=64, block_n=64, num_warps=4, num_stages=3, programs_per_sm=1),
+            dict(max_m=1 << 62, block_m=64, block_n=128, num_warps=8, num_stages=3, programs_per_sm=1),
+        ],
+        "cublas_min_m": 256,
+    },
+    "default": {
+        "tiles": [
+            dict(max_m=16, block_m=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2),
+            dict(max_m=1 << 62, block_m=32, block_n=32, num_warps=4, num_stages=2, programs_per_sm=1),
+        ],
+        "cublas_min_m": 1 << 62,
+    },
+}
+
+
+def _table(device: torch.device):
+    return _DISPATCH[arch_key(device.type, device.index)]
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a little split-K so the CPU tests exercise the reduction path
+
+
+@triton.jit
+def _codes_minus_zero(words, SHIFT: tl.constexpr, MASK: tl.constexpr, zero_plus_magic):
+    """Field (words >> SHIFT) & MASK minus its zero point, exact, as float32.
+
+    zero_plus_magic = 2^23 + z. (u | 0x4B000000) reinterpreted is the float 2^23 + u, so one float
+    subtraction leaves the exact integer u - z (|u - z| < 2^9, far inside float32's 24 bits)."""
+    code = (words >> SHIFT) & MASK
+    return (code | 0x4B000000).to(tl.float32, bitcast=True) - zero_plus_magic
+
+
+@triton.jit
+def _group_params(s_ptr, z_ptr, k_start, group_size, num_groups, N, offs_n, n_mask,
+                  HAS_ZERO: tl.constexpr, BITS: tl.constexpr):
+    """Scale [BLOCK_N] and 2^23 + zero point [BLOCK_N] of the group holding k_start."""
+    g = tl.minimum(k_start // group_size, num_groups - 1)
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)
+    if HAS_ZERO:
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+    else:
+        z = tl.full(s.shape, 2 ** (BITS - 1), tl.float32)
+    return s, z + 8388608.0
+
+
+@triton.jit
+def _wo_mm_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
+    M, N, K, num_groups, group_size, chunks_per_split,
+    stride_xm, stride_wn, stride_om,
+    BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """out[m, n] = sum_k x[m, k] * w_hat[n, k] (+ bias[n]), fp32 accumulation, computed as out^T tiles.
+
+    Grid (n blocks, K splits, m blocks). SPLIT: write float32 partials [splits, M, N] instead."""
+    FIELDS: tl.constexpr = 32 // BITS
+    CHUNK: tl.constexpr = 16 * FIELDS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    j = tl.arange(0, 16)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + j[None, :]
+    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
+    x_dtype = x_ptr.dtype.element_ty
+
+    total_chunks = tl.cdiv(K, CHUNK)
+    c_begin = pid_s * chunks_per_split
+    c_end = tl.minimum(c_begin + chunks_per_split, total_chunks)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for c in range(c_begin, c_end):
+        words = tl.load(w_rows + c * 16, mask=n_mask[:, None], other=0)
+        k_base = c * CHUNK
+        for i in tl.static_range(FIELDS):
+            if i % GROUP_FIELDS == 0:
+                s, zm = _group_params(s_ptr, z_ptr, k_base + 16 * i, group_size, num_groups, N,
+                                      offs_n, n_mask, HAS_ZERO, BITS)
+            k = k_base + 16 * i + j
+            xt = tl.load(x_cols + k[:, None], mask=(k[:, None] < K) & m_mask[None, :], other=0.0)
+            w = _codes_minus_zero(words, i * BITS, MASK, zm[:, None]) * s[:, None]
+            w = cast_to(w, x_dtype, INTERPRET)
+            if INTERPRET:
+                # The interpreter's dot mishandles bfloat16 operands; float32 of the same values is exact.
+                acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(w, xt)
+
+    out_offs = offs_m[None, :] * stride_om + offs_n[:, None]
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT:
+        part = part_ptr + pid_s.to(tl.int64) * M * N + offs_m[None, :] * N + offs_n[:, None]
+        tl.store(part, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + out_offs, cast_to(acc, out_ptr.dtype.element_ty, INTERPRET), mask=out_mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    part_ptr, bias_ptr, out_ptr, M, N, splits, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """out = sum over splits of the float32 partials (+ bias), one rounding to the output dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for sidx in range(0, splits):
+        acc += tl.load(part_ptr + sidx * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
+    m = offs // N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n, cast_to(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _dequant_kernel(
+    w_ptr, s_ptr, z_ptr, out_ptr, N, K, num_groups, group_size, stride_wn, stride_on,
+    BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """w_hat[n, k] = round(dtype, (u[n, k] - z[g, n]) * s[g, n]) for one chunk of K per program."""
+    FIELDS: tl.constexpr = 32 // BITS
+    CHUNK: tl.constexpr = 16 * FIELDS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    c = tl.program_id(1)
+    j = tl.arange(0, 16)
+    words = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + c * 16 + j[None, :],
+                    mask=n_mask[:, None], other=0)
+    out_rows = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on
+    for i in tl.static_range(FIELDS):
+        if i % GROUP_FIELDS == 0:
+            s, zm = _group_params(s_ptr, z_ptr, c * CHUNK + 16 * i, group_size, num_groups, N,
+                                  offs_n, n_mask, HAS_ZERO, BITS)
+        k = c * CHUNK + 16 * i + j
+        w = _codes_minus_zero(words, i * BITS, MASK, zm[:, None]) * s[:, None]
+        tl.store(out_rows + k[None, :], cast_to(w, out_ptr.dtype.element_ty, INTERPRET),
+                 mask=n_mask[:, None] & (k[None, :] < K))
+
+
+def _group_fields(group_size: int, k: int, bits: int) -> int:
+    """How many consecutive 16-code fields share one group: scales are reloaded every that many."""
+    fields = codes_per_word(bits)
+    if group_size == -1 or group_size >= k:
+        return fields
+    return max(1, min(fields, group_size // 16))
+
+
+def _effective_group(group_size: int, k: int) -> int:
+    return k if group_size == -1 else group_size
+
+
+def dequantize(qweight, scales, zeros, bits: int, group_size: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """w_hat [N, K] in `dtype` (packed order of K, i.e. before any act-order permutation is undone)."""
+    n = qweight.shape[0]
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    block_n = 64
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, chunk_codes(bits)))
+    _dequant_kernel[grid](
+        qweight, scales, zeros if zeros is not None else scales, out, n, k, scales.shape[0],
+        _effective_group(group_size, k), qweight.stride(0), out.stride(0),
+        BITS=bits, GROUP_FIELDS=_group_fields(group_size, k, bits), HAS_ZERO=zeros is not None,
+        BLOCK_N=block_n, INTERPRET=INTERPRET, num_warps=4,
+    )
+    return out
+
+
+def pick_tile(m: int, device: torch.device) -> dict:
+    for tile in _table(device)["tiles"]:
+        if m <= tile["max_m"]:
+            return tile
+    return _table(device)["tiles"][-1]
+
+
+def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int,
+             tile: Optional[dict] = None, splits: Optional[int] = None) -> torch.Tensor:
+    """out [M, N] = x2d @ w_hat.T (+ bias) with the fused dequantizing kernel."""
+    m, k = x2d.shape
+    tile = tile or pick_tile(m, x2d.device)
+    block_m, block_n = tile["block_m"], tile["block_n"]
+    grid_n, grid_m = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
+    total_chunks = triton.cdiv(k, chunk_codes(bits))
+    if splits is None:
+        target = tile["programs_per_sm"] * _num_sms(x2d.device)
+        splits = max(1, min(total_chunks, target // max(1, grid_n * grid_m)))
+    chunks_per_split = triton.cdiv(total_chunks, splits)
+    splits = triton.cdiv(total_chunks, chunks_per_split)
+    out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
+    split = splits > 1
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out
+    has_bias = bias is not None
+    _wo_mm_kernel[(grid_n, splits, grid_m)](
+        x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales,
+        out, part, m, n, k, scales.shape[0], _effective_group(group_size, k), chunks_per_split,
+        x2d.stride(0), qweight.stride(0), out.stride(0),
+        BITS=bits, GROUP_FIELDS=_group_fields(group_size, k, bits), HAS_ZERO=zeros is not None,
+        HAS_BIAS=has_bias, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRET=INTERPRET,
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+    )
+    if split:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            part, bias if has_bias else part, out, m, n, splits, out.stride(0),
+            HAS_BIAS=has_bias, BLOCK=block, INTERPRET=INTERPRET, num_warps=4,
+        )
+    return out
+
+
+def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int) -> torch.Tensor:
+    """Dispatch by M: the fused kernel (split-K for decode, tiled for larger M), or for M at least
+    `cublas_min_m` dequantize once and call cuBLAS (measured faster there; see bench_weight_only.py)."""
+    m, k = x2d.shape
+    if x2d.is_cuda and m >= _table(x2d.device)["cublas_min_m"]:
+        w_hat = dequantize(qweight, scales, zeros, bits, group_size, k, x2d.dtype)
+        return torch.nn.functional.linear(x2d, w_hat, bias)
+    return fused_mm(x2d, qweight, scales, zeros, bias, bits, group_size, n)

@@ -1,0 +1,375 @@
+"""Weight-only INT4/INT8 GEMM (SPEC section 4): reference hand cases, the packed layout, the exhaustive
+magic-number converter check, the fused kernels under the interpreter vs an fp32 reference, the
+checkpoint loaders on tensors packed here in each format, and bad arguments."""
+
+import pytest
+import torch
+
+from quantfuse import ops
+from quantfuse import reference as ref
+from quantfuse.kernels import weight_only as kw
+from quantfuse.weights import QuantizedWeight, pack_codes, unpack_codes
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _bits_pattern(t):
+    return t.view(torch.int16) if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def assert_bitwise_equal(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    diff = _bits_pattern(a) != _bits_pattern(b)
+    assert not bool(diff.any()), f"{int(diff.sum())} of {diff.numel()} differ; first {torch.nonzero(diff)[:4].tolist()}"
+
+
+def assert_gemm_close(y, x, w_hat, bias=None):
+    """|y - x @ w_hat.T - bias| <= u * |ref| + 2^-20 * (|x| @ |w_hat|.T): one output rounding (unit
+    roundoff u of the dtype) plus float32 accumulation-order noise."""
+    xf, wf = x.float().reshape(-1, x.shape[-1]), w_hat.float()
+    expected = xf @ wf.t()
+    if bias is not None:
+        expected = expected + bias.float()
+    u = 2.0**-8 if y.dtype == torch.bfloat16 else 2.0**-11
+    bound = u * expected.abs() + 2.0**-20 * (xf.abs() @ wf.abs().t()) + 1e-30
+    err = (y.float().reshape(expected.shape) - expected).abs()
+    worst = float((err / bound).max())
+    assert worst <= 1.0, f"error {float(err.max())} exceeds the bound (ratio {worst})"
+
+
+# ---------------------------------------------------------------------------------------------------
+# reference: hand-computed cases
+# ---------------------------------------------------------------------------------------------------
+def test_reference_symmetric_int4_hand_case():
+    w = torch.tensor([[0.7, -1.4, 0.35, 0.0, 0.1, -0.05, 1.0, 0.2]])
+    q, s, z = ref.quantize_weight(w, bits=4, group_size=-1, symmetric=True)
+    assert z is None
+    assert torch.allclose(s, torch.tensor([[1.4 / 7]]))
+    # w / s = [3.5, -7, 1.75, 0, 0.5, -0.25, 5, 1] -> rne: 4 (tie to even), -7, 2, 0, 0 (tie), 0, 5, 1
+    assert q.tolist() == [[4, -7, 2, 0, 0, 0, 5, 1]]
+
+
+def test_reference_asymmetric_int4_hand_case():
+    w = torch.tensor([[1.0, 2.5, 4.0, 1.5, 3.0, 2.2, 1.25, 3.5]])
+    q, s, z = ref.quantize_weight(w, bits=4, group_size=-1, symmetric=False)
+    # lo = min(1, 0) = 0, hi = 4: s = 4/15, z = 0, q = rne(w * 15/4)
+    assert torch.allclose(s, torch.tensor([[4.0 / 15]]))
+    assert z.tolist() == [[0]]
+    assert q.tolist() == [[4, 9, 15, 6, 11, 8, 5, 13]]
+    w2 = torch.tensor([[-1.0, 0.75, 2.0, -0.35, 0.0, 1.0, 1.35, -0.25]])
+    q2, s2, z2 = ref.quantize_weight(w2, bits=4, group_size=-1, symmetric=False)
+    assert torch.allclose(s2, torch.tensor([[0.2]]))  # (2 - (-1)) / 15
+    assert z2.tolist() == [[5]]  # rne(1 / 0.2)
+    assert q2.tolist() == [[0, 9, 15, 3, 5, 10, 12, 4]]  # rne(w / 0.2) + 5 (3.75 -> 4, -1.75 -> -2)
+    w_hat = ref.dequantize_weight(q2, s2, z2, -1, torch.float32)
+    assert torch.allclose(w_hat, (q2 - 5).float() * s2[0, 0])
+
+
+def test_reference_partial_last_group_and_group_index():
+    w = torch.randn(3, 200)
+    q, s, z = ref.quantize_weight(w, bits=8, group_size=128, symmetric=True)
+    assert s.shape == (2, 3)
+    assert torch.allclose(s[1], w[:, 128:].abs().amax(dim=1) / 127)
+    w_hat = ref.dequantize_weight(q + 128, s, torch.full((2, 3), 128, dtype=torch.int32), 128, torch.float32)
+    assert torch.allclose(w_hat[:, 130], q[:, 130].float() * s[1])
+    assert float((w_hat - w).abs().max()) <= float(s.max()) / 2 + 1e-6
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quantize_weight_ranges_and_error(bits, symmetric):
+    w = torch.randn(33, 264)
+    qw = ops.quantize_weight(w, bits=bits, group_size=64, symmetric=symmetric)
+    u = qw.biased_codes()
+    assert int(u.min()) >= 0 and int(u.max()) <= 2**bits - 1
+    assert qw.scales.shape == (5, 33) and qw.scales.dtype == torch.float32
+    w_hat = qw.dequantize(torch.float32)
+    step = qw.scales.t().repeat_interleave(64, dim=1)[:, :264]
+    assert bool(((w_hat - w).abs() <= step * 0.5 + 1e-6).all())
+
+
+# ---------------------------------------------------------------------------------------------------
+# packed layout
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_layout_interleave_by_hand(bits):
+    per = 32 // bits
+    chunk = 16 * per
+    k = chunk + 24  # one full chunk plus a padded one
+    u = torch.randint(0, 2**bits, (3, k), dtype=torch.int32)
+    words = pack_codes(u, bits)
+    assert words.shape == (3, 2 * 16) and words.dtype == torch.int32
+    for n in range(3):
+        for kk in (0, 1, 15, 16, 17, chunk - 1, chunk, chunk + 23):
+            c, r = divmod(kk, chunk)
+            field, j = divmod(r, 16)
+            word = int(words[n, c * 16 + j]) & 0xFFFFFFFF
+            assert (word >> (field * bits)) & (2**bits - 1) == int(u[n, kk])
+    assert torch.equal(unpack_codes(words, bits, k), u)
+    # padding holds code 0
+    assert int(unpack_codes(words, bits, 2 * chunk)[:, k:].abs().sum()) == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# exhaustive converter exactness: every code at every field position, every zero point
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_converter_exhaustive_codes_and_zero_points(bits, dtype, triton_backend):
+    per = 32 // bits
+    top = 2**bits
+    # k = chunk*16*per + 16*i + j, code = (chunk*16 + j) % top: every code lands on every field i.
+    chunks = max(1, top // 16)
+    k = chunks * 16 * per
+    kk = torch.arange(k)
+    chunk_idx, rem = kk // (16 * per), kk % (16 * per)
+    code = (chunk_idx * 16 + rem % 16) % top
+    n = top + 1  # zero points 0 .. 2^bits (GPTQ v1 checkpoints reach 2^bits)
+    u = code.to(torch.int32).expand(n, k).contiguous()
+    zeros = torch.arange(n, dtype=torch.int32).view(1, n)
+    qw = QuantizedWeight.from_codes(u, torch.ones(1, n), zeros, bits, -1)
+    got = qw.dequantize(dtype)
+    expected = (u - zeros.t()).to(dtype)
+    assert torch.equal((u - zeros.t()).to(dtype).float(), (u - zeros.t()).float())  # exactly representable
+    assert_bitwise_equal(got, expected)
+    # the symmetric (implicit zero point 2^(bits-1)) path
+    sym = QuantizedWeight.from_codes(u[:1], torch.ones(1, 1), None, bits, -1)
+    assert_bitwise_equal(sym.dequantize(dtype), (u[:1] - top // 2).to(dtype))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256, -1])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_dequantize_kernel_matches_reference(bits, group_size, symmetric, triton_backend):
+    w = torch.randn(37, 328) * 3
+    qw = ops.quantize_weight(w, bits=bits, group_size=group_size, symmetric=symmetric)
+    for dtype in (torch.float16, torch.bfloat16):
+        with ops.backend("reference"):
+            expected = qw.dequantize(dtype)
+        u, z = qw.biased_codes(), qw.zero_points()
+        assert_bitwise_equal(expected, ref.dequantize_weight(u, qw.scales, z, group_size, dtype))
+        assert_bitwise_equal(qw.dequantize(dtype), expected)
+
+
+# ---------------------------------------------------------------------------------------------------
+# fused GEMM under the interpreter
+# ---------------------------------------------------------------------------------------------------
+GEMM_CASES = [
+    # (M, K, N, bits, group_size, symmetric, dtype, bias)
+    (1, 200, 37, 4, 128, True, torch.bfloat16, False),
+    (3, 328, 100, 4, 32, False, torch.float16, True),
+    (17, 264, 19, 4, 64, True, torch.float16, False),
+    (33, 136, 70, 4, -1, False, torch.bfloat16, True),
+    (2, 200, 37, 8, -1, True, torch.bfloat16, True),
+    (7, 192, 57, 8, 64, False, torch.float16, False),
+    (20, 328, 33, 8, 256, True, torch.bfloat16, False),
+    (5, 1000, 9, 4, 256, False, torch.bfloat16, True),
+]
+
+
+@pytest.mark.parametrize("case", GEMM_CASES, ids=lambda c: "-".join(str(v).replace("torch.", "") for v in c))
+def test_weight_only_mm_kernel_vs_fp32_reference(case, triton_backend):
+    m, k, n, bits, group_size, symmetric, dtype, has_bias = case
+    w = torch.randn(n, k)
+    qw = ops.quantize_weight(w, bits=bits, group_size=group_size, symmetric=symmetric)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n).to(dtype) if has_bias else None
+    y = ops.weight_only_mm(x, qw, bias)
+    assert y.shape == (m, n) and y.dtype == dtype
+    w_hat = qw.dequantize(dtype)
+    assert_gemm_close(y, x, w_hat, bias)
+    with ops.backend("reference"):
+        y_ref = ops.weight_only_mm(x, qw, bias)
+    assert_gemm_close(y_ref, x, w_hat, bias)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_split_k_and_tiles_agree(splits):
+    k, n = 5 * 128 + 40, 45
+    qw = ops.quantize_weight(torch.randn(n, k), bits=4, group_size=64, symmetric=False)
+    x = torch.randn(6, k).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    tile = dict(block_m=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=1)
+    y = kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, bias, 4, 64, n, tile=tile, splits=splits)
+    assert_gemm_close(y, x, qw.dequantize(torch.bfloat16), bias)
+
+
+def test_padded_rows_3d_input_and_nan_isolation(triton_backend):
+    k, n = 136, 29
+    qw = ops.quantize_weight(torch.randn(n, k), bits=4, group_size=32)
+    base = torch.randn(2, 3, k + 8).half()
+    x = base[..., :k]  # padded rows: row stride k + 8
+    assert not x.is_contiguous()
+    y = ops.weight_only_mm(x, qw)
+    assert y.shape == (2, 3, n) and y.is_contiguous()
+    assert_gemm_close(y, x.reshape(-1, k), qw.dequantize(torch.float16))
+    x_bad = x.clone()
+    x_bad[0, 1, 5] = float("nan")
+    x_bad[1, 2, 7] = float("inf")
+    y_bad = ops.weight_only_mm(x_bad, qw)
+    clean = torch.ones(2, 3, dtype=torch.bool)
+    clean[0, 1] = clean[1, 2] = False
+    assert torch.equal(y_bad[clean], y[clean])
+    assert not bool(torch.isfinite(y_bad[0, 1]).all())
+
+
+def test_custom_op_fake_shapes():
+    qw = ops.quantize_weight(torch.randn(24, 64), bits=8, group_size=32)
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        x = torch.empty(4, 5, 64, dtype=torch.bfloat16)
+        qweight = torch.empty(qw.qweight.shape, dtype=qw.qweight.dtype)
+        scales = torch.empty(qw.scales.shape, dtype=qw.scales.dtype)
+        y = torch.ops.quantfuse.weight_only_mm(x, qweight, scales, None, None, None, 8, 32, 24)
+        assert y.shape == (4, 5, 24) and y.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------------
+# checkpoint loaders (tensors packed here, in each format, independently of quantfuse.weights)
+# ---------------------------------------------------------------------------------------------------
+def _pack_loop(codes, bits, dim, order=None):
+    """Reference packer: field i of word c along `dim` = element c * per + order[i]."""
+    per = 32 // bits
+    codes = codes.movedim(dim, 0).to(torch.int64)
+    out = torch.zeros((codes.shape[0] // per, *codes.shape[1:]), dtype=torch.int64)
+    for c in range(out.shape[0]):
+        for i in range(per):
+            src = c * per + (order[i] if order is not None else i)
+            out[c] |= (codes[src] & (2**bits - 1)) << (i * bits)
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+    return out.movedim(0, dim).contiguous()
+
+
+def _expected(q, z, s, group_idx):
+    """w[n, k] = (q[n, k] - z[g(k), n]) * s[g(k), n] in float32, then to each dtype."""
+    diff = q - z.t()[:, group_idx]
+    return diff.float() * s.float().t()[:, group_idx]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_from_gptq_bit_exact(bits, fmt, act_order):
+    k, n, gs = 256, 48, 64
+    groups = k // gs
+    top = 2**bits
+    q = torch.randint(0, top, (n, k), dtype=torch.int32)
+    if fmt == "gptq":
+        z = torch.randint(1, top + 1, (groups, n), dtype=torch.int32)  # v1: the stored value is z - 1
+        stored_z = z - 1
+    else:
+        z = torch.randint(0, top, (groups, n), dtype=torch.int32)
+        stored_z = z
+    s = (torch.rand(groups, n) * 0.1 + 0.01).half()
+    if act_order:
+        g_idx = (torch.randperm(k) // gs).to(torch.int32)
+    else:
+        g_idx = (torch.arange(k) // gs).to(torch.int32)
+    qweight = _pack_loop(q.t(), bits, 0)  # [K / per, N] packed along K
+    qzeros = _pack_loop(stored_z, bits, 1)  # [G, N / per] packed along N
+    qw = QuantizedWeight.from_gptq(qweight, qzeros, s, g_idx=g_idx, bits=bits, checkpoint_format=fmt)
+    assert qw.shape == (n, k) and qw.group_size == gs and (qw.perm is not None) == act_order
+    expected = _expected(q, z, s, g_idx.long())
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        assert_bitwise_equal(qw.dequantize(dtype), expected.to(dtype))
+    x = torch.randn(3, k).half()
+    with ops.backend("triton"):
+        y = ops.weight_only_mm(x, qw)
+    assert_gemm_close(y, x, expected.half())
+
+
+def test_from_awq_bit_exact():
+    k, n, gs = 256, 40, 128
+    groups = k // gs
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    z = torch.randint(0, 16, (groups, n), dtype=torch.int32)
+    s = (torch.rand(groups, n) * 0.1 + 0.01).half()
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    qweight = _pack_loop(q.t(), 4, 1, order)  # [K, N / 8] packed along N
+    qzeros = _pack_loop(z, 4, 1, order)
+    # field order by hand: field 1 of word 0 of row 0 is output column 2
+    assert (int(qweight[0, 0]) >> 4) & 0xF == int(q[2, 0])
+    qw = QuantizedWeight.from_awq(qweight, qzeros, s)
+    expected = _expected(q, z, s, torch.arange(k) // gs)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert_bitwise_equal(qw.dequantize(dtype), expected.to(dtype))
+        with ops.backend("triton"):
+            assert_bitwise_equal(qw.dequantize(dtype), expected.to(dtype))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_from_compressed_tensors_bit_exact(bits, symmetric):
+    k, n, gs = 192, 20, 64  # n not a multiple of 8: zero points padded along N
+    groups = k // gs
+    offset = 2 ** (bits - 1)
+    q = torch.randint(-offset, offset, (n, k), dtype=torch.int32)  # signed codes
+    s = (torch.rand(n, groups) * 0.1 + 0.01).bfloat16()
+    weight_packed = _pack_loop(q + offset, bits, 1)  # [N, K / per]
+    zp = torch.randint(-offset, offset, (n, groups), dtype=torch.int32) if not symmetric else None
+    packed_zp = None
+    if zp is not None:
+        per = 32 // bits
+        rows = -(-n // per) * per
+        zp_pad = torch.zeros(rows, groups, dtype=torch.int32)
+        zp_pad[:n] = zp + offset
+        packed_zp = _pack_loop(zp_pad, bits, 0)  # [ceil(N / per), G] packed along N
+    qw = QuantizedWeight.from_compressed_tensors(weight_packed, s, torch.tensor([n, k]), packed_zp)
+    z = zp.t() if zp is not None else torch.zeros(groups, n, dtype=torch.int32)
+    expected = _expected(q, z, s.t(), torch.arange(k) // gs)
+    assert qw.bits == bits and qw.group_size == gs
+    for dtype in (torch.float16, torch.bfloat16):
+        assert_bitwise_equal(qw.dequantize(dtype), expected.to(dtype))
+
+
+def test_loader_per_channel_and_bad_g_idx():
+    k, n = 64, 16
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    qweight = _pack_loop(q.t(), 4, 0)
+    qzeros = _pack_loop(torch.full((1, n), 7, dtype=torch.int32), 4, 1)
+    s = torch.rand(1, n).half()
+    qw = QuantizedWeight.from_gptq(qweight, qzeros, s)
+    assert qw.group_size == -1
+    assert_bitwise_equal(qw.dequantize(torch.float32), (q - 8).float() * s.float().t())
+    bad = torch.zeros(k, dtype=torch.int32)
+    bad[:5] = 1  # unequal groups
+    qz2 = _pack_loop(torch.full((2, n), 7, dtype=torch.int32), 4, 1)
+    with pytest.raises(ValueError, match="g_idx"):
+        QuantizedWeight.from_gptq(qweight, qz2, torch.rand(2, n).half(), g_idx=bad)
+    with pytest.raises(ValueError, match="checkpoint_format"):
+        QuantizedWeight.from_gptq(qweight, qzeros, s, checkpoint_format="v3")
+    with pytest.raises(ValueError, match="qzeros"):
+        QuantizedWeight.from_gptq(qweight, qz2, s)
+    with pytest.raises(ValueError, match="bits"):
+        QuantizedWeight.from_awq(qweight, qzeros, s, bits=8)
+
+
+# ---------------------------------------------------------------------------------------------------
+# bad arguments
+# ---------------------------------------------------------------------------------------------------
+def test_bad_arguments():
+    w = torch.randn(16, 64)
+    with pytest.raises(ValueError, match="bits"):
+        ops.quantize_weight(w, bits=3)
+    with pytest.raises(ValueError, match="group_size"):
+        ops.quantize_weight(w, group_size=100)
+    with pytest.raises(ValueError, match="w"):
+        ops.quantize_weight(torch.randn(16, 60))
+    with pytest.raises(ValueError, match="w"):
+        ops.quantize_weight(torch.randn(64))
+    with pytest.raises(TypeError, match="w"):
+        ops.quantize_weight(torch.randint(0, 3, (16, 64)))
+    with pytest.raises(TypeError, match="symmetric"):
+        ops.quantize_weight(w, symmetric=1)
+    qw = ops.quantize_weight(w, group_size=32)
+    with pytest.raises(TypeError, match="x"):
+        ops.weight_only_mm(torch.randn(2, 64), qw)
+    with pytest.raises(ValueError, match="K=64"):
+        ops.weight_only_mm(torch.randn(2, 32).half(), qw)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.weight_only_mm(torch.randn(64, 2).half().t(), qw)
+    with pytest.raises(TypeError, match="qw"):
+        ops.weight_only_mm(torch.randn(2, 64).half(), w)
+    with pytest.raises(ValueError, match="bias"):
+        ops.weight_only_mm(torch.randn(2, 64).half(), qw, torch.randn(15).half())
+    with pytest.raises(TypeError, match="bias"):
+        ops.weight_only_mm(torch.randn(2, 64).half(), qw, torch.randn(16))
