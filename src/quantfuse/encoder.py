@@ -1,0 +1,484 @@
+"""A fully fused INT8 transformer encoder for Hugging Face `BertModel`-style models (SPEC section 6).
+
+`Int8Encoder.from_hf(model, calibration_batches, mode=1|2, calibrator=...)` calibrates every activation
+the pipeline quantizes (per tensor, from an fp32 pass over the calibration batches), quantizes every
+weight per output channel (`s_w[n] = max(amax_n, 1e-10) / 127`) and returns a module whose
+`forward(input_ids, attention_mask)` returns the last hidden states [B, S, hidden] in fp16.
+
+One layer, with `x ~ s_in * x_q` its input (fp16 copy `x` too in mode 1):
+
+    qk, v^T  = qkv_gemm(x_q)                 # dequant + bias + head split + requant (s_q, s_k, s_v)
+    ctx_q    = attention(qk, v^T)            # int8 QK^T, fp32 masked softmax, int8 P (s_p), P.V,
+                                             # dequant + head merge + requant (s_ctx)
+    y        = o_gemm(ctx_q) + residual      # residual: fp16 x (mode 1) or s_in * x_q (mode 2)
+    h, h_q   = layernorm(y)                  # fp16 h only in mode 1; h_q with s_h
+    f_q      = fc1_gemm(h_q)                 # dequant + bias + GELU + requant (s_f)
+    y2       = fc2_gemm(f_q) + residual      # residual: fp16 h (mode 1) or s_h * h_q (mode 2)
+    x', x'_q = layernorm(y2)                 # x'_q with the next layer's s_in: one layer's output
+                                             # scale is the next layer's input scale
+
+Padding removal packs the valid tokens of a batch into one [T, hidden] matrix before the first layer
+(attention walks each sequence through `cu_seqlens`) and scatters them back after the last; padded
+positions of the result are 0. The padded path (remove_padding=False) runs every position and masks
+padded keys; on valid tokens both paths are identical, bit for bit.
+
+On CUDA tensors (or under `backend("triton")` with the interpreter) the kernels of
+`quantfuse.kernels.encoder` run; otherwise the same pipeline runs as a fake-quant PyTorch reference
+(`reference_*` below) that uses the same scales and the same integer arithmetic.
+
+Calibrators: "max", and with `quantfuse.calibrate` the histogram methods "percentile", "mse",
+"entropy". Softmax probabilities always use max calibration (their range is [0, 1]; clipping the
+largest probabilities would distort every attention row).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._backend import use_triton
+from .reference import SCALE_FLOOR, quantize_values, true_div
+
+Tensor = torch.Tensor
+
+CALIBRATORS = ("max", "percentile", "mse", "entropy")
+_ACTS_PER_LAYER = ("in", "q", "k", "v", "p", "ctx", "h", "f")
+
+
+def _f32(value: float) -> float:
+    """The float32 value nearest to `value`, as a Python float (kernels receive float32 scalars)."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The fake-quant reference of each fused kernel (same arguments as the launchers)
+# ----------------------------------------------------------------------------------------------------
+def _int_matmul(a: Tensor, b_t: Tensor) -> Tensor:
+    """a @ b_t.T for integer codes, exact (float64 holds every int32 sum), as float32 like the kernels'
+    int32 -> float32 conversion."""
+    return (a.double() @ b_t.double().T).float()
+
+
+def _quant(v: Tensor, scale) -> Tensor:
+    if isinstance(scale, Tensor):
+        return quantize_values(v / scale, torch.int8)
+    return quantize_values(true_div(v, scale), torch.int8)
+
+
+def reference_int8_gemm(a, w, a_scale, w_scale, bias, epilogue, *, out_scale=None, gelu=False, residual=None,
+                        residual_scale=1.0, heads=1, head_dim=1, vt_stride=None):
+    """`v = float(a_q @ w_q^T) * (s_a * s_w[n]) + bias[n]`, then the epilogue (see kernels.encoder)."""
+    acc = _int_matmul(a, w)
+    scale = torch.tensor(a_scale, dtype=torch.float32, device=a.device) * w_scale.float()
+    v = acc * scale + bias.float()
+    if epilogue == "residual":
+        if residual is not None:
+            r = residual.float()
+            if residual.dtype == torch.int8:
+                r = r * torch.tensor(residual_scale, dtype=torch.float32, device=a.device)
+            v = v + r
+        return v.to(torch.float16)
+    if epilogue == "requant":
+        if gelu:
+            v = 0.5 * v * (1.0 + torch.erf(v * 0.7071067811865476))
+        return _quant(v, out_scale.reshape(()).float())
+    q = _quant(v, out_scale.float())
+    m, n = q.shape
+    hidden = n // 3
+    qkv = q.view(m, 3, heads, head_dim)
+    qk = qkv[:, :2].permute(1, 2, 0, 3).contiguous()
+    vt_stride = vt_stride or m
+    vt = torch.zeros((heads, head_dim, vt_stride), dtype=torch.int8, device=a.device)
+    vt[:, :, :m] = qkv[:, 2].permute(1, 2, 0)
+    return qk, vt
+
+
+def reference_int8_attention(qk, vt, cu_seqlens, max_seqlen, key_mask, q_scale, k_scale, v_scale, p_scale,
+                             out_scale):
+    """Per sequence: s = (Q_q K_q^T) * s_q s_k / sqrt(d) over unmasked keys, p = softmax(s) in float32,
+    p_q = sat(rne(p / s_p)), ctx = (P_q V_q) * s_p s_v, out = sat(rne(ctx / s_ctx)) with heads merged.
+    A row with no unmasked key gets p = 0."""
+    _, heads, t, d = qk.shape
+    out = torch.zeros((t, heads * d), dtype=torch.int8, device=qk.device)
+    score_scale = torch.tensor(_f32(q_scale * k_scale / math.sqrt(d)), dtype=torch.float32, device=qk.device)
+    ctx_scale = torch.tensor(_f32(p_scale * v_scale), dtype=torch.float32, device=qk.device)
+    bounds = cu_seqlens.tolist()
+    for b in range(len(bounds) - 1):
+        st, en = bounds[b], bounds[b + 1]
+        if en == st:
+            continue
+        q = qk[0, :, st:en].double()
+        k = qk[1, :, st:en].double()
+        v = vt[:, :, st:en].double().transpose(1, 2)
+        s = (q @ k.transpose(1, 2)).float() * score_scale
+        valid = torch.ones(en - st, dtype=torch.bool, device=qk.device)
+        if key_mask is not None:
+            valid = key_mask[st:en] != 0
+        s = s.masked_fill(~valid.view(1, 1, -1), float("-inf"))
+        row_max = s.amax(-1, keepdim=True)
+        row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+        e = torch.exp(s - row_max)
+        denom = e.sum(-1, keepdim=True)
+        p = torch.where(denom > 0, e / denom.clamp_min(1e-30), torch.zeros_like(e))
+        p_q = _quant(p, _f32(p_scale))
+        ctx = (p_q.double() @ v).float() * ctx_scale
+        out[st:en] = _quant(ctx, _f32(out_scale)).permute(1, 0, 2).reshape(en - st, heads * d)
+    return out
+
+
+def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16):
+    """o = (y - mean) / sqrt(var + eps) * gamma + beta per row (float32); fp16 copy if asked; int8
+    sat(rne(o' / s_out)) with o' the fp16 copy when written, else o."""
+    yf = y.float()
+    centered = yf - yf.mean(-1, keepdim=True)
+    var = (centered * centered).mean(-1, keepdim=True)
+    o = centered * (1.0 / torch.sqrt(var + eps)) * gamma.float() + beta.float()
+    out16 = None
+    if write_fp16:
+        out16 = o.to(torch.float16)
+        o = out16.float()
+    out8 = _quant(o, _f32(out_scale)) if out_scale is not None else None
+    return out16, out8
+
+
+class _ReferenceOps:
+    int8_gemm = staticmethod(reference_int8_gemm)
+    int8_attention = staticmethod(reference_int8_attention)
+    layernorm_quant = staticmethod(reference_layernorm_quant)
+
+
+def _ops_for(x: Tensor):
+    if use_triton(x):
+        from .kernels import encoder as kernels
+
+        return kernels
+    return _ReferenceOps
+
+
+# ----------------------------------------------------------------------------------------------------
+# Calibration
+# ----------------------------------------------------------------------------------------------------
+class _LocalMax:
+    def __init__(self):
+        self.amax = 0.0
+
+    def collect(self, x):
+        if x.numel():
+            self.amax = max(self.amax, float(x.detach().abs().max()))
+
+    def compute_amax(self, *args, **kwargs):
+        return torch.tensor(self.amax)
+
+
+def _make_calibrator(method: str, is_probability: bool):
+    if method == "max" or is_probability:
+        try:
+            from .calibrate import MaxCalibrator
+
+            return MaxCalibrator()
+        except ImportError:
+            return _LocalMax()
+    from .calibrate import HistogramCalibrator  # the histogram methods need helper D's calibrators
+
+    return HistogramCalibrator(num_bins=2048)
+
+
+def _amax(cal, method: str, percentile: float, is_probability: bool) -> float:
+    if method == "max" or is_probability:
+        return float(cal.compute_amax())
+    if method == "percentile":
+        return float(cal.compute_amax("percentile", percentile=percentile))
+    return float(cal.compute_amax(method))
+
+
+def _scale_of(amax: float) -> float:
+    return _f32(max(amax, SCALE_FLOOR) / 127.0)
+
+
+def _quantize_weight(w: Tensor):
+    """Per output channel: s[n] = max(amax_n, 1e-10) / 127, q = sat(rne(w / s))."""
+    w = w.detach().float()
+    scale = true_div(w.abs().amax(dim=1).clamp_min(SCALE_FLOOR), 127.0)
+    return quantize_values(w / scale[:, None], torch.int8), scale
+
+
+# ----------------------------------------------------------------------------------------------------
+# The fp32 model (same math as HF BertModel, eager attention) used to observe activations
+# ----------------------------------------------------------------------------------------------------
+def _hf_parts(model):
+    bert = model
+    if not hasattr(bert, "encoder") and hasattr(bert, "bert"):
+        bert = bert.bert
+    cfg = bert.config
+    if getattr(cfg, "hidden_act", "gelu") != "gelu":
+        raise ValueError(f"model: expected hidden_act 'gelu' (erf GELU), got {cfg.hidden_act!r}")
+    if getattr(cfg, "position_embedding_type", "absolute") != "absolute":
+        raise ValueError(
+            f"model: expected position_embedding_type 'absolute', got {cfg.position_embedding_type!r}"
+        )
+    heads = cfg.num_attention_heads
+    head_dim = cfg.hidden_size // heads
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"model: expected a power-of-two head size >= 16, got {head_dim}")
+    return bert, cfg
+
+
+def _float_forward(params: "_FloatParams", input_ids, attention_mask, token_type_ids, observe=None):
+    """fp32 forward of the source model; observe(name, layer, tensor, valid_mask) sees every activation
+    the int8 pipeline quantizes."""
+    b, s = input_ids.shape
+    mask = attention_mask.bool()
+    pos = torch.arange(s, device=input_ids.device).expand(b, s)
+    x = params.word[input_ids] + params.pos[pos] + params.type[token_type_ids]
+    x = F.layer_norm(x, (params.hidden,), params.emb_ln_w, params.emb_ln_b, params.eps)
+    heads, d = params.heads, params.hidden // params.heads
+    additive = torch.zeros((b, 1, 1, s), device=x.device).masked_fill(~mask.view(b, 1, 1, s), float("-inf"))
+    note = observe or (lambda *a: None)
+    for i, lp in enumerate(params.layers):
+        note("in", i, x, mask)
+        q = F.linear(x, lp["wq"], lp["bq"])
+        k = F.linear(x, lp["wk"], lp["bk"])
+        v = F.linear(x, lp["wv"], lp["bv"])
+        note("q", i, q, mask)
+        note("k", i, k, mask)
+        note("v", i, v, mask)
+        qh, kh, vh = (t.view(b, s, heads, d).transpose(1, 2) for t in (q, k, v))
+        scores = qh @ kh.transpose(-1, -2) / math.sqrt(d) + additive
+        probs = torch.softmax(scores, -1).nan_to_num(0.0)
+        note("p", i, probs, None)
+        ctx = (probs @ vh).transpose(1, 2).reshape(b, s, params.hidden)
+        note("ctx", i, ctx, mask)
+        h = F.layer_norm(F.linear(ctx, lp["wo"], lp["bo"]) + x, (params.hidden,), lp["ln1_w"], lp["ln1_b"], params.eps)
+        note("h", i, h, mask)
+        f = F.gelu(F.linear(h, lp["w1"], lp["b1"]))
+        note("f", i, f, mask)
+        x = F.layer_norm(F.linear(f, lp["w2"], lp["b2"]) + h, (params.hidden,), lp["ln2_w"], lp["ln2_b"], params.eps)
+    note("out", len(params.layers), x, mask)
+    return x
+
+
+@dataclass
+class _FloatParams:
+    word: Tensor
+    pos: Tensor
+    type: Tensor
+    emb_ln_w: Tensor
+    emb_ln_b: Tensor
+    hidden: int
+    heads: int
+    eps: float
+    layers: List[Dict[str, Tensor]] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, bert, cfg, device):
+        def t(p):
+            return p.detach().to(device=device, dtype=torch.float32)
+
+        emb = bert.embeddings
+        params = cls(
+            word=t(emb.word_embeddings.weight), pos=t(emb.position_embeddings.weight),
+            type=t(emb.token_type_embeddings.weight), emb_ln_w=t(emb.LayerNorm.weight),
+            emb_ln_b=t(emb.LayerNorm.bias), hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
+            eps=float(cfg.layer_norm_eps),
+        )
+        for layer in bert.encoder.layer:
+            att = layer.attention
+            params.layers.append({
+                "wq": t(att.self.query.weight), "bq": t(att.self.query.bias),
+                "wk": t(att.self.key.weight), "bk": t(att.self.key.bias),
+                "wv": t(att.self.value.weight), "bv": t(att.self.value.bias),
+                "wo": t(att.output.dense.weight), "bo": t(att.output.dense.bias),
+                "ln1_w": t(att.output.LayerNorm.weight), "ln1_b": t(att.output.LayerNorm.bias),
+                "w1": t(layer.intermediate.dense.weight), "b1": t(layer.intermediate.dense.bias),
+                "w2": t(layer.output.dense.weight), "b2": t(layer.output.dense.bias),
+                "ln2_w": t(layer.output.LayerNorm.weight), "ln2_b": t(layer.output.LayerNorm.bias),
+            })
+        return params
+
+
+def _batch_fields(batch, device):
+    if isinstance(batch, dict):
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        tt = batch.get("token_type_ids")
+    elif isinstance(batch, (tuple, list)):
+        ids = batch[0]
+        mask = batch[1] if len(batch) > 1 else None
+        tt = batch[2] if len(batch) > 2 else None
+    else:
+        ids, mask, tt = batch, None, None
+    ids = ids.to(device)
+    mask = torch.ones_like(ids) if mask is None else mask.to(device)
+    tt = torch.zeros_like(ids) if tt is None else tt.to(device)
+    return ids, mask, tt
+
+
+# ----------------------------------------------------------------------------------------------------
+# The encoder
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class PackedBatch:
+    """Where the valid tokens of a padded [B, S] batch live once packed (computed once per mask)."""
+    indices: Tensor      # int64 [T]: flat positions b * S + s of the valid tokens, in order
+    cu_seqlens: Tensor   # int32 [B + 1]
+    max_seqlen: int
+    batch: int
+    seq_len: int
+
+
+def pack_mask(attention_mask: Tensor) -> PackedBatch:
+    """Valid tokens of each sequence (attention_mask != 0, any positions) packed in order."""
+    b, s = attention_mask.shape
+    valid = attention_mask.reshape(-1) != 0
+    indices = torch.nonzero(valid).reshape(-1)
+    lengths = (attention_mask != 0).sum(1)
+    cu = torch.zeros(b + 1, dtype=torch.int32, device=attention_mask.device)
+    cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
+    return PackedBatch(indices, cu, int(lengths.max()) if b else 0, b, s)
+
+
+class Int8Encoder(torch.nn.Module):
+    """INT8 BERT encoder; build with `from_hf`. Buffers move with `.to(device)`."""
+
+    def __init__(self, fp: _FloatParams, scales: Dict[str, List[float]], mode: int, calibrator: str):
+        super().__init__()
+        if mode not in (1, 2):
+            raise ValueError(f"mode: expected 1 (fp16 residual/output) or 2 (int8 residual/output), got {mode!r}")
+        self.mode = mode
+        self.calibrator = calibrator
+        self.hidden = fp.hidden
+        self.heads = fp.heads
+        self.head_dim = fp.hidden // fp.heads
+        self.eps = fp.eps
+        self.num_layers = len(fp.layers)
+        self.scales = scales  # name -> per-layer float32 scales (python floats)
+        self.register_buffer("word_emb", fp.word.half())
+        self.register_buffer("pos_emb", fp.pos.half())
+        self.register_buffer("token_type", fp.type.half())
+        self.register_buffer("emb_ln_w", fp.emb_ln_w.clone())
+        self.register_buffer("emb_ln_b", fp.emb_ln_b.clone())
+        for i, lp in enumerate(fp.layers):
+            w_qkv = torch.cat([lp["wq"], lp["wk"], lp["wv"]], 0)
+            for name, w, bias in (("qkv", w_qkv, torch.cat([lp["bq"], lp["bk"], lp["bv"]])),
+                                  ("o", lp["wo"], lp["bo"]), ("fc1", lp["w1"], lp["b1"]), ("fc2", lp["w2"], lp["b2"])):
+                q, s = _quantize_weight(w)
+                self.register_buffer(f"l{i}_{name}_w", q)
+                self.register_buffer(f"l{i}_{name}_ws", s)
+                self.register_buffer(f"l{i}_{name}_b", bias.float().clone())
+            h = fp.hidden
+            qkv_out = torch.cat([torch.full((h,), scales[k][i]) for k in ("q", "k", "v")]).float()
+            self.register_buffer(f"l{i}_qkv_os", qkv_out)
+            self.register_buffer(f"l{i}_f_os", torch.tensor([scales["f"][i]], dtype=torch.float32))
+            for name in ("ln1_w", "ln1_b", "ln2_w", "ln2_b"):
+                self.register_buffer(f"l{i}_{name}", lp[name].clone())
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    @torch.no_grad()
+    def from_hf(cls, model, calibration_batches: Iterable, mode: int = 1, calibrator: str = "percentile",
+                percentile: float = 99.99, device=None) -> "Int8Encoder":
+        """Calibrate on `calibration_batches` (dicts with input_ids / attention_mask / token_type_ids,
+        tuples (input_ids, attention_mask[, token_type_ids]) or bare input_ids tensors), quantize, return
+        the encoder on `device` (default: the model's)."""
+        if mode not in (1, 2):
+            raise ValueError(f"mode: expected 1 or 2, got {mode!r}")
+        if calibrator not in CALIBRATORS:
+            raise ValueError(f"calibrator: expected one of {CALIBRATORS}, got {calibrator!r}")
+        bert, cfg = _hf_parts(model)
+        src_device = next(bert.parameters()).device
+        device = torch.device(device) if device is not None else src_device
+        fp = _FloatParams.from_hf(bert, cfg, src_device)
+        n = len(fp.layers)
+        cals = {(name, i): _make_calibrator(calibrator, name == "p") for name in _ACTS_PER_LAYER for i in range(n)}
+        cals[("out", n)] = _make_calibrator(calibrator, False)
+
+        def observe(name, i, x, mask):
+            if name == "in" and ("in", i) not in cals:
+                return
+            cals[(name, i)].collect(x[mask] if mask is not None else x)
+
+        seen = 0
+        for batch in calibration_batches:
+            ids, mask, tt = _batch_fields(batch, src_device)
+            _float_forward(fp, ids, mask, tt, observe)
+            seen += 1
+        if seen == 0:
+            raise ValueError("calibration_batches: expected at least one batch, got none")
+        scales = {name: [_scale_of(_amax(cals[(name, i)], calibrator, percentile, name == "p")) for i in range(n)]
+                  for name in _ACTS_PER_LAYER}
+        # one layer's output scale is the next layer's input scale
+        scales["in"].append(_scale_of(_amax(cals[("out", n)], calibrator, percentile, False)))
+        enc = cls(fp, scales, mode, calibrator)
+        return enc.to(device)
+
+    # -- forward -----------------------------------------------------------------------------------
+    def _embed(self, input_ids, token_type_ids, positions):
+        emb = self.word_emb[input_ids].float() + self.pos_emb[positions].float() + self.token_type[token_type_ids].float()
+        return emb.to(torch.float16)
+
+    def _layers(self, emb16: Tensor, cu_seqlens: Tensor, max_seqlen: int, key_mask: Optional[Tensor]) -> Tensor:
+        ops = _ops_for(emb16)
+        mode1 = self.mode == 1
+        s_in = self.scales["in"]
+        x16, xq = ops.layernorm_quant(emb16, self.emb_ln_w, self.emb_ln_b, self.eps, s_in[0], mode1)
+        t = emb16.shape[0]
+        for i in range(self.num_layers):
+            g = lambda name: getattr(self, f"l{i}_{name}")  # noqa: E731
+            sc = {k: self.scales[k][i] for k in _ACTS_PER_LAYER}
+            qk, vt = ops.int8_gemm(xq, g("qkv_w"), sc["in"], g("qkv_ws"), g("qkv_b"), "qkv", out_scale=g("qkv_os"),
+                                   heads=self.heads, head_dim=self.head_dim, vt_stride=max(16, -(-t // 16) * 16))
+            ctx = ops.int8_attention(qk, vt, cu_seqlens, max_seqlen, key_mask, sc["q"], sc["k"], sc["v"], sc["p"],
+                                     sc["ctx"])
+            y = ops.int8_gemm(ctx, g("o_w"), sc["ctx"], g("o_ws"), g("o_b"), "residual",
+                              residual=x16 if mode1 else xq, residual_scale=sc["in"])
+            h16, hq = ops.layernorm_quant(y, g("ln1_w"), g("ln1_b"), self.eps, sc["h"], mode1)
+            fq = ops.int8_gemm(hq, g("fc1_w"), sc["h"], g("fc1_ws"), g("fc1_b"), "requant", out_scale=g("f_os"),
+                               gelu=True)
+            y2 = ops.int8_gemm(fq, g("fc2_w"), sc["f"], g("fc2_ws"), g("fc2_b"), "residual",
+                               residual=h16 if mode1 else hq, residual_scale=sc["h"])
+            last = i == self.num_layers - 1
+            x16, xq = ops.layernorm_quant(y2, g("ln2_w"), g("ln2_b"), self.eps,
+                                          None if (last and mode1) else s_in[i + 1], mode1)
+        if mode1:
+            return x16
+        return (xq.float() * torch.tensor(s_in[-1], dtype=torch.float32, device=xq.device)).to(torch.float16)
+
+    def forward_packed(self, input_ids: Tensor, token_type_ids: Tensor, positions: Tensor, cu_seqlens: Tensor,
+                       max_seqlen: int) -> Tensor:
+        """Packed tokens [T] (ids, token types, positions within their sequence) -> hidden states [T, H] fp16.
+        No host synchronisation: capturable in a CUDA graph."""
+        emb16 = self._embed(input_ids, token_type_ids, positions)
+        return self._layers(emb16, cu_seqlens, max_seqlen, None)
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                token_type_ids: Optional[Tensor] = None, remove_padding: bool = True,
+                packed: Optional[PackedBatch] = None) -> Tensor:
+        """Last hidden states [B, S, hidden] (fp16). remove_padding packs the valid tokens (padded
+        positions come back as 0); otherwise every position runs and padded keys are masked."""
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected a [batch, seq] tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+        b, s = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if tuple(attention_mask.shape) != (b, s):
+            raise ValueError(f"attention_mask: expected shape {(b, s)}, got {tuple(attention_mask.shape)}")
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        positions = torch.arange(s, device=input_ids.device).expand(b, s)
+        if remove_padding:
+            pk = packed or pack_mask(attention_mask)
+            idx = pk.indices
+            out_packed = self.forward_packed(input_ids.reshape(-1)[idx], token_type_ids.reshape(-1)[idx],
+                                             positions.reshape(-1)[idx], pk.cu_seqlens, pk.max_seqlen)
+            out = torch.zeros((b * s, self.hidden), dtype=torch.float16, device=input_ids.device)
+            out[idx] = out_packed
+            return out.view(b, s, self.hidden)
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=input_ids.device)
+        key_mask = (attention_mask.reshape(-1) != 0).to(torch.int8)
+        emb16 = self._embed(input_ids.reshape(-1), token_type_ids.reshape(-1), positions.reshape(-1))
+        return self._layers(emb16, cu, s, key_mask).view(b, s, self.hidden)

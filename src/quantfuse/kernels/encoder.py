@@ -1,0 +1,387 @@
+"""Triton kernels of the INT8 transformer encoder (SPEC section 6; the FasterTransformer v3.0 fusion plan
+rebuilt for Hopper with plain K-contiguous layouts instead of COL32 / COL4_4R2_8C tile orders).
+
+Symbols: activations are quantized per tensor, `x ~ s_x * x_q`; weights per output channel,
+`W[n, :] ~ s_w[n] * W_q[n, :]`; every int8 product accumulates exactly in int32 (`acc`).
+
+* `int8_gemm` -- `acc = A_q @ W_q^T` with one of three epilogues, all in float32 from
+  `v = acc * (s_a * s_w[n]) + bias[n]`:
+  - `"residual"`: `y = v + residual` (fp16 residual, or int8 residual times its scale), stored fp16
+    (it feeds `layernorm_quant`; the LayerNorm needs whole rows, which one GEMM tile does not hold);
+  - `"requant"`: `q = sat(rne(act(v) / s_out))` with act = identity or erf-GELU, stored int8;
+  - `"qkv"`: the fused Q|K|V projection: `q = sat(rne(v / s_out[n]))` (s_out = s_q, s_k or s_v by
+    column), stored head-split: Q and K as `[2, heads, T, head_dim]`, V transposed as
+    `[heads, head_dim, T_v]` so that P.V reads V K-major (the only int8 operand order wgmma takes).
+* `int8_attention` -- one program per (query block, head, sequence) over packed variable-length
+  sequences (`cu_seqlens`), key mask optional. Pass 1 finds the row max m and the normaliser l of
+  `s = (Q_q . K_q^T) * s_q * s_k / sqrt(d)` over unmasked keys; pass 2 recomputes s, forms the final
+  probabilities `p = exp(s - m) / l`, quantizes them `p_q = sat(rne(p / s_p))` on chip and accumulates
+  `P_q . V_q` in int32; the epilogue dequantizes `ctx = acc * s_p * s_v`, merges heads and requantizes
+  `sat(rne(ctx / s_ctx))` into `[T, hidden]`. Probabilities never leave the chip. Two passes because the
+  requantization needs the final (normalised) probabilities, which an online softmax only knows at the end.
+  A row with no unmasked key gets p = 0 everywhere (ctx = 0), never NaN.
+* `layernorm_quant` -- `o = (y - mean) / sqrt(var + eps) * gamma + beta` per row of fp16 `y`, stored
+  fp16 (mode 1) and/or int8 `sat(rne(o16 / s_out))` where o16 is o rounded to fp16 when the fp16 copy is
+  written (so the int8 copy is exactly the quantization of the fp16 activation), else o.
+
+Quantization divisions are true divisions (`div_rn`) except for the probabilities inside the attention
+loop, which multiply by 1 / s_p (the hot loop; a difference only at rounding ties).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, to_int8_sat
+
+# ----------------------------------------------------------------------------------------------------
+# Launch configurations (data, per architecture). GEMM tiles are tried largest first; the first whose
+# grid fills `min_waves` waves of the GPU's SMs is used, else the last (smallest) one.
+# ----------------------------------------------------------------------------------------------------
+ENCODER_CONFIGS = {
+    "sm90": {
+        # (block_m, block_n, block_k, num_warps, num_stages, min_waves)
+        "gemm": [
+            (128, 256, 128, 8, 3, 2.0),
+            (128, 128, 128, 8, 4, 1.0),
+            (64, 128, 128, 4, 4, 1.0),
+            (64, 64, 128, 4, 4, 0.0),
+        ],
+        "attention": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
+        "layernorm_rows_budget": 4096,
+    },
+    "default": {
+        "gemm": [
+            (64, 64, 64, 4, 3, 1.0),
+            (32, 32, 32, 4, 2, 0.0),
+        ],
+        "attention": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
+        "layernorm_rows_budget": 2048,
+    },
+}
+
+_EPILOGUES = {"residual": 0, "requant": 1, "qkv": 2}
+
+
+@lru_cache(maxsize=None)
+def _arch(device_type: str, index) -> str:
+    if device_type != "cuda":
+        return "default"
+    major, _ = torch.cuda.get_device_capability(index)
+    return "sm90" if major >= 9 else "default"
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device_type: str, index) -> int:
+    if device_type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _table(device: torch.device) -> dict:
+    return ENCODER_CONFIGS[_arch(device.type, device.index)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# int8 GEMM with fused epilogues
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _int8_gemm_kernel(
+    a_ptr, w_ptr, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+    M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt,
+    a_scale, res_scale, HIDDEN,
+    EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped launch order: programs that run together share A rows and W columns in L2.
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # Out-of-range rows/columns wrap onto valid ones for the loads (no masks in the main loop); the
+    # stores are masked.
+    rm_load = tl.where(rm < M, rm, 0)
+    rn_load = tl.where(rn < N, rn, 0)
+    a_ptrs = a_ptr + rm_load[:, None].to(tl.int64) * stride_am + rk[None, :]
+    # W is [N, K] row-major: the [BLOCK_K, BLOCK_N] tile is K-contiguous (K-major B operand).
+    w_ptrs = w_ptr + rn_load[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=rk[None, :] < K - k0, other=0)
+            w = tl.load(w_ptrs, mask=rk[:, None] < K - k0, other=0)
+        acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    m_ok = rm < M
+    n_ok = rn < N
+    mask = m_ok[:, None] & n_ok[None, :]
+    w_scale = tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
+    bias = tl.load(bias_ptr + rn, mask=n_ok, other=0.0)
+    v = acc.to(tl.float32) * (a_scale * w_scale)[None, :] + bias[None, :]
+
+    if EPILOGUE == 0:
+        if RES_MODE == 1:
+            r = tl.load(res_ptr + rm[:, None].to(tl.int64) * stride_rm + rn[None, :], mask=mask, other=0.0)
+            v = v + r.to(tl.float32)
+        if RES_MODE == 2:
+            r = tl.load(res_ptr + rm[:, None].to(tl.int64) * stride_rm + rn[None, :], mask=mask, other=0)
+            v = v + r.to(tl.float32) * res_scale
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
+    elif EPILOGUE == 1:
+        if GELU:
+            v = 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
+        out_scale = tl.load(out_scale_ptr)
+        q = to_int8_sat(tl.math.div_rn(v, out_scale + tl.zeros_like(v)))
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], q, mask=mask)
+    else:
+        out_scale = tl.load(out_scale_ptr + rn, mask=n_ok, other=1.0)
+        q = to_int8_sat(tl.math.div_rn(v, out_scale[None, :] + tl.zeros_like(v)))
+        which = rn // HIDDEN
+        within = rn - which * HIDDEN
+        head = within // HEAD_DIM
+        d = within - head * HEAD_DIM
+        # Q, K: [2, heads, M, HEAD_DIM]
+        qk_off = (which * HIDDEN).to(tl.int64)[None, :] * M + (head * HEAD_DIM).to(tl.int64)[None, :] * M \
+            + rm[:, None] * HEAD_DIM + d[None, :]
+        tl.store(out_ptr + qk_off, q, mask=mask & (which < 2)[None, :])
+        # V^T: [heads, HEAD_DIM, stride_vt]
+        vt_off = (head * HEAD_DIM + d).to(tl.int64)[None, :] * stride_vt + rm[:, None]
+        tl.store(vt_ptr + vt_off, q, mask=mask & (which == 2)[None, :])
+
+
+def _pick_gemm_tile(device: torch.device, m: int, n: int, k: int):
+    tiles = _table(device)["gemm"]
+    sms = _sm_count(device.type, device.index)
+    for bm, bn, bk, warps, stages, min_waves in tiles:
+        if bk > max(16, triton.next_power_of_2(k)):
+            continue
+        ctas = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        if ctas >= min_waves * sms:
+            return bm, bn, bk, warps, stages
+    bm, bn, bk, warps, stages, _ = tiles[-1]
+    return bm, bn, min(bk, max(16, triton.next_power_of_2(k))), warps, stages
+
+
+def int8_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    a_scale: float,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor,
+    epilogue: str,
+    *,
+    out_scale: torch.Tensor | None = None,
+    gelu: bool = False,
+    residual: torch.Tensor | None = None,
+    residual_scale: float = 1.0,
+    heads: int = 1,
+    head_dim: int = 1,
+    vt_stride: int | None = None,
+):
+    """Launch `acc = a @ w.T` (int8 [M, K] x int8 [N, K]) with the named epilogue (module docstring).
+
+    Returns fp16 [M, N] ("residual"), int8 [M, N] ("requant"), or (qk int8 [2, heads, M, head_dim],
+    vt int8 [heads, head_dim, vt_stride]) ("qkv")."""
+    m, k = a.shape
+    n = w.shape[0]
+    dev = a.device
+    bm, bn, bk, warps, stages = _pick_gemm_tile(dev, m, n, k)
+    code = _EPILOGUES[epilogue]
+    hidden = n // 3 if code == 2 else n
+    vt = a  # placeholder pointer when unused
+    if code == 0:
+        out = torch.empty((m, n), dtype=torch.float16, device=dev)
+    elif code == 1:
+        out = torch.empty((m, n), dtype=torch.int8, device=dev)
+    else:
+        out = torch.empty((2, heads, m, head_dim), dtype=torch.int8, device=dev)
+        vt_stride = vt_stride or m
+        vt = torch.empty((heads, head_dim, vt_stride), dtype=torch.int8, device=dev)
+    res_mode = 0
+    res = a
+    if residual is not None:
+        res = residual
+        res_mode = 1 if residual.dtype == torch.float16 else 2
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _int8_gemm_kernel[grid](
+        a, w, bias, w_scale, out_scale if out_scale is not None else w_scale, res, out, vt,
+        m, n, k, a.stride(0), w.stride(0), res.stride(0) if res.dim() == 2 else 0,
+        out.stride(0) if code != 2 else 0, vt_stride or 0,
+        float(a_scale), float(residual_scale), hidden,
+        EPILOGUE=code, RES_MODE=res_mode, GELU=gelu, HEAD_DIM=head_dim, EVEN_K=(k % bk == 0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, INTERPRET=INTERPRET,
+        num_warps=warps, num_stages=stages,
+    )
+    if code == 2:
+        return out, vt
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# int8 attention: QK^T -> masked softmax (fp32) -> int8 P -> P.V -> dequant + head merge + requant
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _int8_attention_kernel(
+    qk_ptr, vt_ptr, out_ptr, cu_seqlens_ptr, key_mask_ptr,
+    T, k_plane, stride_vt, stride_om,
+    score_scale_log2, inv_p_scale, ctx_scale, out_scale,
+    HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    start = tl.load(cu_seqlens_ptr + seq)
+    length = tl.load(cu_seqlens_ptr + seq + 1) - start
+    if pid_m * BLOCK_M < length:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, HEAD_DIM)
+        row_ok = rows < length
+        head_off = head.to(tl.int64) * T * HEAD_DIM
+        q = tl.load(qk_ptr + head_off + (start + rows)[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0)
+        k_base = qk_ptr + k_plane + head_off
+        vt_base = vt_ptr + head.to(tl.int64) * HEAD_DIM * stride_vt
+
+        # Pass 1: row max and normaliser (base-2 units: score_scale_log2 folds in log2(e)).
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        for n0 in range(0, length, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            in_seq = cols < length
+            k = tl.load(k_base + (start + cols)[:, None] * HEAD_DIM + d[None, :], mask=in_seq[:, None], other=0)
+            s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * score_scale_log2
+            valid = in_seq
+            if HAS_MASK:
+                valid = valid & (tl.load(key_mask_ptr + start + cols, mask=in_seq, other=0) != 0)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+            m_i = m_new
+
+        # Pass 2: final probabilities, quantized on chip, times V.
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        # 1/l and 1/s_p folded into one factor; rows without any unmasked key get 0.
+        p_factor = tl.where(l_i > 0.0, inv_p_scale / l_i, 0.0)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.int32)
+        for n0 in range(0, length, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            in_seq = cols < length
+            k = tl.load(k_base + (start + cols)[:, None] * HEAD_DIM + d[None, :], mask=in_seq[:, None], other=0)
+            s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * score_scale_log2
+            valid = in_seq
+            if HAS_MASK:
+                valid = valid & (tl.load(key_mask_ptr + start + cols, mask=in_seq, other=0) != 0)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            p = tl.exp2(s - m_safe[:, None]) * p_factor[:, None]
+            p_q = to_int8_sat(p)
+            vt = tl.load(vt_base + d[:, None] * stride_vt + (start + cols)[None, :], mask=in_seq[None, :], other=0)
+            acc = tl.dot(p_q, tl.trans(vt), acc, out_dtype=tl.int32)
+
+        ctx = acc.to(tl.float32) * ctx_scale
+        o = to_int8_sat(tl.math.div_rn(ctx, out_scale + tl.zeros_like(ctx)))
+        tl.store(out_ptr + (start + rows)[:, None].to(tl.int64) * stride_om + head * HEAD_DIM + d[None, :], o,
+                 mask=row_ok[:, None])
+
+
+def int8_attention(
+    qk: torch.Tensor,
+    vt: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    key_mask: torch.Tensor | None,
+    q_scale: float,
+    k_scale: float,
+    v_scale: float,
+    p_scale: float,
+    out_scale: float,
+) -> torch.Tensor:
+    """Attention over packed sequences. qk [2, heads, T, d] int8, vt [heads, d, T_v] int8,
+    cu_seqlens int32 [B + 1], key_mask int8 [T] (nonzero = attend) or None. Returns int8 [T, heads * d]."""
+    _, heads, t, head_dim = qk.shape
+    cfg = _table(qk.device)["attention"]
+    bm = cfg["block_m"]
+    bn = cfg["block_n"]
+    out = torch.empty((t, heads * head_dim), dtype=torch.int8, device=qk.device)
+    batch = cu_seqlens.numel() - 1
+    grid = (triton.cdiv(max(max_seqlen, 1), bm), heads, batch)
+    score_scale_log2 = q_scale * k_scale / math.sqrt(head_dim) * math.log2(math.e)
+    _int8_attention_kernel[grid](
+        qk, vt, out, cu_seqlens, key_mask if key_mask is not None else cu_seqlens,
+        t, heads * t * head_dim, vt.stride(1), out.stride(0),
+        score_scale_log2, 1.0 / p_scale, p_scale * v_scale, out_scale,
+        HEAD_DIM=head_dim, HAS_MASK=key_mask is not None,
+        BLOCK_M=bm, BLOCK_N=bn, INTERPRET=INTERPRET,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# LayerNorm (+ requant)
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _layernorm_quant_kernel(
+    y_ptr, gamma_ptr, beta_ptr, out16_ptr, out8_ptr,
+    M, N, stride_y, out_scale, eps,
+    WRITE_FP16: tl.constexpr, WRITE_INT8: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    mask = row_ok[:, None] & col_ok[None, :]
+    y = tl.load(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(y, 1) / N
+    centered = tl.where(mask, y - mean[:, None], 0.0)
+    var = tl.sum(centered * centered, 1) / N
+    rstd = 1.0 / tl.sqrt_rn(var + eps)
+    gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0)
+    beta = tl.load(beta_ptr + cols, mask=col_ok, other=0.0)
+    o = centered * rstd[:, None] * gamma[None, :] + beta[None, :]
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    if WRITE_FP16:
+        o16 = o.to(tl.float16)
+        tl.store(out16_ptr + offs, o16, mask=mask)
+        o = o16.to(tl.float32)
+    if WRITE_INT8:
+        q = to_int8_sat(tl.math.div_rn(o, out_scale + tl.zeros_like(o)))
+        tl.store(out8_ptr + offs, q, mask=mask)
+
+
+def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
+                    out_scale: float | None, write_fp16: bool):
+    """Row LayerNorm of fp16 y [M, N]; returns (fp16 or None, int8 or None)."""
+    m, n = y.shape
+    block_n = triton.next_power_of_2(n)
+    rows = max(1, min(16, _table(y.device)["layernorm_rows_budget"] // block_n))
+    out16 = torch.empty((m, n), dtype=torch.float16, device=y.device) if write_fp16 else None
+    out8 = torch.empty((m, n), dtype=torch.int8, device=y.device) if out_scale is not None else None
+    warps = 4 if rows * block_n <= 4096 else 8
+    _layernorm_quant_kernel[(triton.cdiv(m, rows),)](
+        y, gamma, beta, out16 if out16 is not None else y, out8 if out8 is not None else y,
+        m, n, y.stride(0), float(out_scale or 1.0), float(eps),
+        WRITE_FP16=write_fp16, WRITE_INT8=out_scale is not None,
+        ROWS=rows, BLOCK_N=block_n, INTERPRET=INTERPRET, num_warps=warps,
+    )
+    return out16, out8

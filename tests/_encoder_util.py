@@ -1,0 +1,115 @@
+"""Cases shared by the CPU (interpreter) and GPU tests of the INT8 encoder: each fused kernel of
+`quantfuse.kernels.encoder` against its fake-quant reference in `quantfuse.encoder`, with the same scales."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from quantfuse import encoder as enc
+from quantfuse import ops
+
+
+def make_bert(hidden=64, heads=4, layers=2, intermediate=128, vocab=120, max_pos=512):
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=intermediate, max_position_embeddings=max_pos)
+    return BertModel(cfg).eval()
+
+
+def random_batch(batch, seq, vocab=120, lengths=None, device="cpu"):
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    mask = torch.ones(batch, seq, dtype=torch.long, device=device)
+    if lengths is not None:
+        for b, n in enumerate(lengths):
+            mask[b, n:] = 0
+    return ids, mask
+
+
+def assert_int8_close(actual: torch.Tensor, expected: torch.Tensor, min_equal: float = 0.999):
+    """int8 codes: no element more than one code off, at least `min_equal` of them equal."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype == torch.int8
+    diff = (actual.int() - expected.int()).abs()
+    assert int(diff.max()) <= 1, f"a code differs by {int(diff.max())}"
+    equal = float((diff == 0).float().mean())
+    assert equal >= min_equal, f"only {equal:.5f} of the codes are equal"
+
+
+def int8(*shape, device="cpu"):
+    return torch.randint(-128, 128, shape, dtype=torch.int8, device=device)
+
+
+def gemm_case(kind, m, n, k, device, heads=2, residual=None):
+    """Run one fused GEMM through the kernel and the reference; returns (kernel, reference) outputs."""
+    a = int8(m, k, device=device)
+    w = int8(n, k, device=device)
+    # scales that put the dequantized values in a range where requantization is non-trivial
+    a_scale = enc._f32(0.02)
+    w_scale = (torch.rand(n, device=device) * 0.01 + 0.002).float()
+    bias = torch.randn(n, device=device).float()
+    kwargs = {}
+    acc_rms = 127 * 74 * math.sqrt(k) * a_scale * 0.007
+    if kind == "qkv":
+        hidden = n // 3
+        kwargs = dict(out_scale=torch.cat([torch.full((hidden,), acc_rms * f / 40) for f in (1.0, 1.5, 0.7)])
+                      .float().to(device), heads=heads, head_dim=hidden // heads, vt_stride=m + 5)
+    elif kind == "requant":
+        kwargs = dict(out_scale=torch.tensor([acc_rms / 50], dtype=torch.float32, device=device), gelu=True)
+    else:
+        if residual == "fp16":
+            kwargs = dict(residual=(torch.randn(m, n, device=device) * 3).half())
+        elif residual == "int8":
+            kwargs = dict(residual=int8(m, n, device=device), residual_scale=enc._f32(0.03))
+    epilogue = kind
+    ref = enc.reference_int8_gemm(a, w, a_scale, w_scale, bias, epilogue, **kwargs)
+    with ops.backend("triton"):
+        from quantfuse.kernels import encoder as ke
+
+        out = ke.int8_gemm(a, w, a_scale, w_scale, bias, epilogue, **kwargs)
+    return out, ref
+
+
+def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=False):
+    """Packed (or padded to max length with a key mask) attention through kernel and reference."""
+    if padded:
+        s = max(lengths)
+        cu = torch.arange(0, (len(lengths) + 1) * s, s, dtype=torch.int32, device=device)
+        key_mask = torch.zeros(len(lengths) * s, dtype=torch.int8, device=device)
+        for b, n in enumerate(lengths):
+            key_mask[b * s: b * s + n] = 1
+        max_len = s
+    else:
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
+        cu[1:] = torch.cumsum(torch.tensor(lengths, device=device), 0)
+        key_mask = None
+        max_len = max(lengths)
+    t = int(cu[-1])
+    if masked_keys is not None:
+        key_mask = torch.ones(t, dtype=torch.int8, device=device) if key_mask is None else key_mask
+        key_mask[masked_keys] = 0
+    qk = int8(2, heads, t, head_dim, device=device)
+    vt = torch.zeros(heads, head_dim, t + 3, dtype=torch.int8, device=device)
+    vt[:, :, :t] = int8(heads, head_dim, t, device=device)
+    # score std ~ 127*74*sqrt(d) * s_q s_k / sqrt(d): pick s_q s_k so scores spread over a few units
+    args = (qk, vt, cu, max_len, key_mask, 0.02, 3.0 / (74 * 74 * 0.02), 0.05, 1.0 / 127, 0.1)
+    ref = enc.reference_int8_attention(*args)
+    with ops.backend("triton"):
+        from quantfuse.kernels import encoder as ke
+
+        out = ke.int8_attention(*args)
+    return out, ref, cu, key_mask
+
+
+def layernorm_case(m, n, device, write_fp16, with_int8=True):
+    y = (torch.randn(m, n, device=device) * 4 + torch.randn(n, device=device)).half()
+    gamma = (torch.rand(n, device=device) + 0.5).float()
+    beta = (torch.randn(n, device=device) * 0.1).float()
+    scale = enc._f32(4.0 / 127) if with_int8 else None
+    ref = enc.reference_layernorm_quant(y, gamma, beta, 1e-12, scale, write_fp16)
+    with ops.backend("triton"):
+        from quantfuse.kernels import encoder as ke
+
+        out = ke.layernorm_quant(y, gamma, beta, 1e-12, scale, write_fp16)
+    return out, ref

@@ -1,0 +1,96 @@
+"""GPU tests of the INT8 encoder kernels at full sizes (BERT-base widths, sequence lengths up to 384):
+each fused kernel against its fake-quant reference on the same device, and the whole encoder
+(triton vs reference, padding removal vs padded path, fully masked rows)."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _encoder_util as u  # noqa: E402
+from quantfuse import ops  # noqa: E402
+from quantfuse.encoder import Int8Encoder  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+@pytest.mark.parametrize("m", [1, 31, 128, 4096 + 7])
+@pytest.mark.parametrize("kind,residual", [("qkv", None), ("requant", None), ("residual", "fp16"),
+                                           ("residual", "int8")])
+def test_gemm_epilogues_full_size(m, kind, residual):
+    n, k = {"qkv": (2304, 768), "requant": (3072, 768), "residual": (768, 3072)}[kind]
+    out, ref = u.gemm_case(kind, m, n, k, DEV, heads=12, residual=residual)
+    if kind == "qkv":
+        u.assert_int8_close(out[0], ref[0])
+        u.assert_int8_close(out[1][:, :, :m], ref[1][:, :, :m])
+    elif kind == "requant":
+        u.assert_int8_close(out, ref)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("lengths", [[1], [31, 32], [127, 1, 64], [384, 200, 384]])
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_attention_full_size(lengths, head_dim):
+    out, ref, _, _ = u.attention_case(lengths, 12, head_dim, DEV)
+    u.assert_int8_close(out, ref)
+
+
+def test_attention_padded_equals_packed_and_masked_rows():
+    lengths = [384, 100, 1, 0]
+    out_p, ref_p, cu_p, _ = u.attention_case(lengths, 12, 64, DEV, padded=True)
+    u.assert_int8_close(out_p, ref_p)
+    s = max(lengths)
+    assert int(out_p[3 * s: 4 * s].abs().max()) == 0  # fully masked sequence: p = 0, ctx = 0
+
+
+@pytest.mark.parametrize("m,n", [(1, 768), (4099, 768), (513, 1024), (77, 384)])
+@pytest.mark.parametrize("write_fp16", [True, False])
+def test_layernorm_full_size(m, n, write_fp16):
+    (o16, o8), (r16, r8) = u.layernorm_case(m, n, DEV, write_fp16)
+    if write_fp16:
+        torch.testing.assert_close(o16.float(), r16.float(), rtol=1e-3, atol=2e-3)
+    u.assert_int8_close(o8, r8)
+
+
+@pytest.fixture(scope="module")
+def bert():
+    torch.manual_seed(0)
+    return u.make_bert(hidden=768, heads=12, layers=2, intermediate=3072).to(DEV)
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_encoder_triton_vs_reference_and_padding_removal(bert, mode):
+    torch.manual_seed(1)
+    calib = [u.random_batch(4, 128, device=DEV)]
+    enc = Int8Encoder.from_hf(bert, calib, mode=mode, calibrator="max")
+    for seq, lengths in [(1, [1, 1]), (31, [31, 7]), (32, [32, 32]), (127, [127, 64, 1]), (384, [384, 190])]:
+        ids, mask = u.random_batch(len(lengths), seq, lengths=lengths, device=DEV)
+        out = enc(ids, mask, remove_padding=False)
+        packed = enc(ids, mask, remove_padding=True)
+        with ops.backend("reference"):
+            ref = enc(ids, mask, remove_padding=False)
+        v = mask.bool()
+        assert torch.isfinite(out).all()
+        assert torch.equal(out[v], packed[v]), "padding removal differs from the padded path"
+        cos = torch.nn.functional.cosine_similarity(out[v].float(), ref[v].float(), dim=-1)
+        assert float(cos.min()) > 0.999, (seq, float(cos.min()))
+        hf = bert(input_ids=ids, attention_mask=mask).last_hidden_state
+        cos_hf = torch.nn.functional.cosine_similarity(out[v].float(), hf[v].float(), dim=-1)
+        assert float(cos_hf.mean()) > 0.98, (seq, float(cos_hf.mean()))
+
+
+def test_encoder_fully_masked_sequence(bert):
+    torch.manual_seed(2)
+    enc = Int8Encoder.from_hf(bert, [u.random_batch(2, 64, device=DEV)], mode=1, calibrator="max")
+    ids, mask = u.random_batch(3, 40, lengths=[40, 0, 13], device=DEV)
+    padded = enc(ids, mask, remove_padding=False)
+    packed = enc(ids, mask, remove_padding=True)
+    assert torch.isfinite(padded).all() and torch.isfinite(packed).all()
+    assert int(packed[1].abs().max()) == 0
+    v = mask.bool()
+    assert torch.equal(padded[v], packed[v])
