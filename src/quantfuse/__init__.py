@@ -10,3 +10,19 @@ from .ops import __all__ as _ops_all
 
 __version__ = "0.1.0"
 __all__ = ["ops", "reference", "__version__", *_ops_all]
+
+# Model-level API (quantize_, configs, checkpoints): see quantfuse.quantize_api.
+from .quantize_api import (  # noqa: E402
+    Fp8BlockConfig,
+    Fp8DynamicConfig,
+    Int4WeightOnlyConfig,
+    Int8DynamicConfig,
+    Int8StaticConfig,
+    Int8WeightOnlyConfig,
+    load_quantized,
+    quantize_,
+    save_quantized,
+)
+
+__all__ += ["quantize_", "save_quantized", "load_quantized", "Int8DynamicConfig", "Int8StaticConfig",
+            "Fp8DynamicConfig", "Fp8BlockConfig", "Int4WeightOnlyConfig", "Int8WeightOnlyConfig"]

@@ -1,0 +1,562 @@
+"""Quantized drop-in replacements for `nn.Linear`, one per scheme, built on the ops of `quantfuse.ops`.
+
+Every module keeps its quantized state as buffers named the way compressed-tensors names them
+(`weight`, `weight_scale`, `weight_zero_point`, `weight_packed`, `weight_shape`, `input_scale`,
+`input_zero_point`), so a checkpoint is the module's buffers as they are and `.to(device)` moves them.
+Casting a model (`model.half()`) never touches codes or float32 scales: only the bias follows the cast.
+
+Notation: x [M, K] activations, W [N, K] the float weight, y [M, N]; s_w, s_x scales; rne = round half
+to even; sat = saturation to the code range (SPEC section 0).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import ops
+from . import reference as ref
+
+Tensor = torch.Tensor
+FP8 = torch.float8_e4m3fn
+BLOCK = 128  # fp8 block scheme: 128x128 weight blocks, 1x128 activation groups
+
+
+# ----------------------------------------------------------------------------------------------------
+# Offline weight quantizers (the SPEC's rules, in plain PyTorch: weights are quantized once)
+# ----------------------------------------------------------------------------------------------------
+def quantize_weight_per_channel(w: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """Symmetric, one scale per output channel: s[n] = max(amax_n, 1e-10) / qmax, q = sat(rne(w / s)).
+
+    Returns (q [N, K] in `dtype`, s [N, 1] float32)."""
+    wf = w.detach().float()
+    scale = ref.dynamic_scale(wf.abs().amax(dim=1, keepdim=True), dtype)
+    return ref.quantize_values(wf / scale, dtype), scale
+
+
+def quantize_weight_blocks(w: Tensor, block: int = BLOCK) -> Tuple[Tensor, Tensor]:
+    """fp8, one scale per block x block tile: s[bn, bk] = max(amax_tile, 1e-10) / 448, q = sat(rne(w / s)).
+
+    Edge tiles are partial (N, K need not be multiples of the block). Returns (q [N, K] fp8,
+    s [ceil(N/block), ceil(K/block)] float32), the layout of compressed-tensors' block strategy."""
+    wf = w.detach().float()
+    n, k = wf.shape
+    nb, kb = -(-n // block), -(-k // block)
+    padded = torch.zeros(nb * block, kb * block, dtype=torch.float32, device=wf.device)
+    padded[:n, :k] = wf
+    tiles = padded.reshape(nb, block, kb, block)
+    scale = ref.dynamic_scale(tiles.abs().amax(dim=(1, 3)), FP8)
+    q = ref.quantize_values(tiles / scale[:, None, :, None], FP8).reshape(nb * block, kb * block)
+    return q[:n, :k].contiguous(), scale
+
+
+def expand_block_scale(scale: Tensor, shape: Tuple[int, int], block: int = BLOCK) -> Tensor:
+    """[ceil(N/b), ceil(K/b)] block scales -> the [N, K] scale of every element."""
+    n, k = shape
+    return scale.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+
+
+def pack_int32(codes: Tensor, bits: int, dim: int = 1) -> Tensor:
+    """Pack signed `bits`-bit codes (int tensor in [-2^(bits-1), 2^(bits-1)-1]) into int32 words along `dim`,
+    offset by 2^(bits-1), element i of a run at bit (i % (32/bits)) * bits of word i // (32/bits).
+    This is compressed-tensors' pack-quantized layout (4 and 8 bits pack whole words)."""
+    per_word = 32 // bits
+    v = codes.to(torch.int64) + (1 << (bits - 1))
+    if dim == 0:
+        v = v.t()
+    rows, cols = v.shape
+    padded = -(-cols // per_word) * per_word
+    if padded != cols:
+        v = torch.nn.functional.pad(v, (0, padded - cols))
+    v = v.reshape(rows, padded // per_word, per_word)
+    shifts = torch.arange(per_word, device=v.device, dtype=torch.int64) * bits
+    words = (v << shifts).sum(dim=2)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.t().contiguous() if dim == 0 else words.contiguous()
+
+
+def unpack_int32(words: Tensor, bits: int, length: int, dim: int = 1) -> Tensor:
+    """Inverse of `pack_int32`: the signed codes (int32) with `length` elements along `dim`."""
+    per_word = 32 // bits
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    if dim == 0:
+        w = w.t()
+    shifts = torch.arange(per_word, device=w.device, dtype=torch.int64) * bits
+    v = (w[:, :, None] >> shifts) & ((1 << bits) - 1)
+    v = v.reshape(w.shape[0], -1)[:, :length] - (1 << (bits - 1))
+    v = v.to(torch.int32)
+    return v.t().contiguous() if dim == 0 else v.contiguous()
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _out_dtype(x: Tensor) -> torch.dtype:
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
+    return x.dtype
+
+
+def _check_linear(linear, name: str = "linear") -> None:
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"{name}: expected a torch.nn.Linear, got {type(linear).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Base class
+# ----------------------------------------------------------------------------------------------------
+class QuantizedLinear(nn.Module):
+    """Common plumbing: shapes, bias, dtype-safe `.to()`, checkpoint tensors and the compressed-tensors scheme.
+
+    Subclasses define `scheme` (the quantfuse scheme name), `forward`, `dequantized_weight()`,
+    `ct_scheme()` (the compressed-tensors config group body) and `_from_tensors`."""
+
+    scheme = "base"
+    # buffers that are codes or scales and must keep their dtype under model.half()/.to(dtype)
+    _keep_dtype = ("weight", "weight_scale", "weight_zero_point", "weight_packed", "weight_shape",
+                   "input_scale", "input_zero_point", "azp_adj", "scale_b")
+
+    def __init__(self, in_features: int, out_features: int, bias: Optional[Tensor]):
+        super().__init__()
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    def _apply(self, fn, recurse=True):
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        for name, buf in list(self._buffers.items()):
+            if buf is None:
+                continue
+            moved = fn(buf)
+            if name in self._keep_dtype and moved.dtype != buf.dtype:
+                moved = buf.to(device=moved.device)  # a dtype cast of the model moves codes, never casts them
+            self._buffers[name] = moved
+        for name, param in list(self._parameters.items()):
+            if param is not None:
+                self._parameters[name] = nn.Parameter(fn(param.data), requires_grad=param.requires_grad)
+        self._device_changed()
+        return self
+
+    def _device_changed(self) -> None:
+        """Hook for subclasses that cache device-specific objects."""
+
+    # -- checkpoint ------------------------------------------------------------------------------
+    def checkpoint_tensors(self) -> Dict[str, Tensor]:
+        """Local tensor names -> tensors as written to a compressed-tensors checkpoint."""
+        out = {name: buf for name, buf in self._buffers.items()
+               if buf is not None and name in self._persistent_names()}
+        return out
+
+    def _persistent_names(self):
+        return [n for n in self._buffers if n not in self._non_persistent_buffers_set]
+
+    def checkpoint_meta(self) -> Dict[str, object]:
+        """Everything besides tensors needed to rebuild the module (stored in quantfuse.json)."""
+        return {"class": type(self).__name__, "in_features": self.in_features, "out_features": self.out_features}
+
+    @classmethod
+    def from_checkpoint(cls, tensors: Dict[str, Tensor], meta: Dict[str, object]) -> "QuantizedLinear":
+        return cls._from_tensors(tensors, meta)
+
+    def ct_scheme(self) -> Dict[str, object]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def weight_nbytes(self) -> int:
+        """Bytes of the stored weight representation (codes, scales, zero points; no bias)."""
+        return sum(t.numel() * t.element_size() for n, t in self.checkpoint_tensors().items()
+                   if n.startswith("weight") and n != "weight_shape")
+
+
+def _ct_args(num_bits: int, type_: str, strategy: str, symmetric: bool = True, dynamic=False,
+             group_size: Optional[int] = None, block_structure=None, observer: Optional[str] = "minmax"):
+    args = {"num_bits": num_bits, "type": type_, "symmetric": symmetric, "strategy": strategy,
+            "dynamic": dynamic, "group_size": group_size, "block_structure": block_structure,
+            "actorder": None, "observer": None if dynamic else observer, "observer_kwargs": {}}
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------
+# W8A8: int8 / fp8 weights per output channel, activations per token (dynamic) or per tensor (static)
+# ----------------------------------------------------------------------------------------------------
+class _ScaledMMLinear(QuantizedLinear):
+    qdtype = torch.int8
+
+    def __init__(self, weight_q: Tensor, weight_scale: Tensor, bias: Optional[Tensor]):
+        n, k = weight_q.shape
+        super().__init__(k, n, bias)
+        self.register_buffer("weight", weight_q.contiguous())
+        self.register_buffer("weight_scale", weight_scale.float().reshape(n, 1).contiguous())
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """W_hat = q * s_w[n] in float32, one rounding to `dtype`."""
+        return (self.weight.float() * self.weight_scale).to(dtype)
+
+    def _mm(self, q: Tensor, scale_a: Tensor, out_dtype: torch.dtype, azp_adj=None) -> Tensor:
+        return ops.scaled_mm(q, self.weight.t(), scale_a, self.weight_scale, out_dtype=out_dtype,
+                             bias=self.bias, azp_adj=azp_adj)
+
+    @classmethod
+    def _from_tensors(cls, tensors, meta):
+        return cls(tensors["weight"], tensors["weight_scale"], tensors.get("bias"))
+
+
+class Int8DynamicLinear(_ScaledMMLinear):
+    """W8A8 int8, dynamic per-token activations.
+
+    Offline: s_w[n] = max|W[n, :]| / 127, W_q = sat(rne(W / s_w)).
+    Per call: s_x[i] = max|x[i, :]| / 127, x_q = sat(rne(x / s_x)) (`quantize_per_token`), then
+    y[i, n] = s_x[i] * s_w[n] * sum_k x_q[i, k] W_q[n, k] + b[n] (`scaled_mm`, int32 accumulation)."""
+
+    scheme = "int8_dynamic"
+    qdtype = torch.int8
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8DynamicLinear":
+        _check_linear(linear)
+        q, s = quantize_weight_per_channel(linear.weight, cls.qdtype)
+        return cls(q, s, linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out_dtype = _out_dtype(x)
+        q, scale, _ = ops.quantize_per_token(_rows(x), self.qdtype)
+        return self._mm(q, scale, out_dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def ct_scheme(self):
+        return {"format": "int-quantized",
+                "weights": _ct_args(8, "int", "channel"),
+                "input_activations": _ct_args(8, "int", "token", dynamic=True)}
+
+
+class Fp8DynamicLinear(Int8DynamicLinear):
+    """W8A8 fp8 (e4m3fn), dynamic per-token activations; the int8 math with qmax = 448 and
+    fp8 x fp8 products accumulated in float32:
+    y[i, n] = s_x[i] * s_w[n] * sum_k x_q[i, k] W_q[n, k] + b[n]."""
+
+    scheme = "fp8_dynamic"
+    qdtype = FP8
+
+    def ct_scheme(self):
+        return {"format": "float-quantized",
+                "weights": _ct_args(8, "float", "channel"),
+                "input_activations": _ct_args(8, "float", "token", dynamic=True)}
+
+
+class Int8StaticLinear(_ScaledMMLinear):
+    """W8A8 int8 with a static per-tensor activation scale from calibration.
+
+    Symmetric: s_x = max(amax, 1e-10) / 127 from the calibrated amax; x_q = sat(rne(x / s_x));
+    y = s_x * s_w[n] * (x_q @ W_q^T)[i, n] + b[n].
+    Asymmetric (zero point z_x, from the calibrated range [lo, hi]): s_x = (hi - lo) / 255,
+    z_x = rne(-128 - lo / s_x), x_q = sat(rne(x / s_x) + z_x), and, since x ~ s_x (x_q - z_x),
+    y[i, n] = s_x * s_w[n] * ((x_q @ W_q^T)[i, n] - z_x * sum_k W_q[n, k]) + b[n]: the correction
+    z_x * colsum is precomputed once (`azp_adjustment`) and subtracted exactly in int32 by the epilogue."""
+
+    scheme = "int8_static"
+    qdtype = torch.int8
+
+    def __init__(self, weight_q, weight_scale, bias, input_scale: Tensor, input_zero_point: Optional[Tensor] = None):
+        super().__init__(weight_q, weight_scale, bias)
+        self.register_buffer("input_scale", input_scale.float().reshape(1).contiguous())
+        self.register_buffer("input_zero_point",
+                             None if input_zero_point is None else input_zero_point.to(torch.int32).reshape(1))
+        adj = None
+        if input_zero_point is not None:
+            adj = ops.azp_adjustment(self.weight.t(), self.input_zero_point).reshape(-1).to(torch.int32)
+        self.register_buffer("azp_adj", adj, persistent=False)
+
+    @property
+    def symmetric(self) -> bool:
+        return self.input_zero_point is None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, amax: Optional[float] = None,
+                    input_range: Optional[Tuple[float, float]] = None) -> "Int8StaticLinear":
+        """`amax` (symmetric) or `input_range=(lo, hi)` (asymmetric) of the layer's input, from calibration."""
+        _check_linear(linear)
+        q, s = quantize_weight_per_channel(linear.weight, torch.int8)
+        dev = linear.weight.device
+        if input_range is not None:
+            lo, hi = float(min(input_range[0], 0.0)), float(max(input_range[1], 0.0))
+            scale, zp = ref._azp_from_range(torch.tensor(lo, device=dev), torch.tensor(hi, device=dev))
+            return cls(q, s, linear.bias, scale, zp)
+        if amax is None:
+            raise ValueError("amax: a static scale needs the calibrated amax (or input_range), got None")
+        amax_t = torch.as_tensor(float(amax), dtype=torch.float32, device=dev)
+        if not torch.isfinite(amax_t):
+            raise ValueError(f"amax: expected a finite calibrated amax, got {float(amax)}")
+        return cls(q, s, linear.bias, ref.dynamic_scale(amax_t, torch.int8))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out_dtype = _out_dtype(x)
+        q, scale, _ = ops.quantize_per_tensor(_rows(x), torch.int8, self.input_scale, self.input_zero_point)
+        return self._mm(q, scale, out_dtype, azp_adj=self.azp_adj).reshape(*x.shape[:-1], self.out_features)
+
+    @classmethod
+    def _from_tensors(cls, tensors, meta):
+        return cls(tensors["weight"], tensors["weight_scale"], tensors.get("bias"),
+                   tensors["input_scale"], tensors.get("input_zero_point"))
+
+    def ct_scheme(self):
+        return {"format": "int-quantized",
+                "weights": _ct_args(8, "int", "channel"),
+                "input_activations": _ct_args(8, "int", "tensor", symmetric=self.symmetric)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 block scaling: 128x128 weight blocks, 1x128 activation groups
+# ----------------------------------------------------------------------------------------------------
+class Fp8BlockLinear(QuantizedLinear):
+    """FP8 with 128x128 weight blocks and dynamic 1x128 activation groups (DeepSeek-V3 style).
+
+    Offline: s_w[bn, bk] = max|W tile| / 448 per 128x128 tile. Per call: s_x[i, kb] = max|x[i, kb-group]| / 448
+    (`quantize_per_group`, transposed scale layout), then (`scaled_mm_blockwise`)
+    y[i, n] = sum_kb s_x[i, kb] * s_w[n // 128, kb] * (x_q[i, kb-group] . W_q[n, kb-group]) + b[n].
+    K must be a multiple of 128 (the activation groups); N may be anything."""
+
+    scheme = "fp8_block"
+
+    def __init__(self, weight_q: Tensor, weight_scale: Tensor, bias: Optional[Tensor]):
+        n, k = weight_q.shape
+        if k % BLOCK != 0:
+            raise ValueError(f"in_features: fp8 block scaling needs a multiple of {BLOCK}, got {k}")
+        super().__init__(k, n, bias)
+        self.register_buffer("weight", weight_q.contiguous())
+        self.register_buffer("weight_scale", weight_scale.float().contiguous())
+        # the GEMM reads the weight as b = W^T [K, N], so its block scales as [K/128, N/128]
+        self.register_buffer("scale_b", self.weight_scale.t().contiguous(), persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8BlockLinear":
+        _check_linear(linear)
+        if linear.in_features % BLOCK != 0:
+            raise ValueError(
+                f"linear: fp8 block scaling needs in_features divisible by {BLOCK}, got {linear.in_features}")
+        q, s = quantize_weight_blocks(linear.weight)
+        return cls(q, s, linear.bias)
+
+    def quantize_input(self, x2d: Tensor):
+        q, scales, _ = ops.quantize_per_group(x2d, FP8, BLOCK, transposed_scales=True)
+        return q, scales
+
+    def matmul_quantized(self, q: Tensor, scales: Tensor, out_dtype: torch.dtype) -> Tensor:
+        return ops.scaled_mm_blockwise(q, self.weight.t(), scales, self.scale_b, out_dtype=out_dtype, bias=self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out_dtype = _out_dtype(x)
+        q, scales = self.quantize_input(_rows(x))
+        return self.matmul_quantized(q, scales, out_dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """W_hat[n, k] = q[n, k] * s_w[n // 128, k // 128] in float32, one rounding to `dtype`."""
+        scale = expand_block_scale(self.weight_scale, (self.out_features, self.in_features))
+        return (self.weight.float() * scale).to(dtype)
+
+    @classmethod
+    def _from_tensors(cls, tensors, meta):
+        return cls(tensors["weight"], tensors["weight_scale"], tensors.get("bias"))
+
+    def ct_scheme(self):
+        return {"format": "float-quantized",
+                "weights": _ct_args(8, "float", "block", block_structure=[BLOCK, BLOCK]),
+                "input_activations": _ct_args(8, "float", "group", dynamic=True, group_size=BLOCK)}
+
+
+class Fp8BlockGatedMLP(nn.Module):
+    """A gated MLP (Llama: down(silu(gate(x)) * up(x))) on fp8 block scaling with the fused activation.
+
+    gate and up share one GEMM (their weights stacked: [gate; up] -> [2H, K]) whose output [M, 2H] =
+    [g | u] goes straight into `silu_and_mul_quant`, which computes silu(g) * u in float32 and emits the
+    fp8 codes and 1x128 group scales (transposed layout) that the down projection's blockwise GEMM reads:
+    the activation never makes a round trip in 16-bit precision. H must be a multiple of 128 so no weight
+    block straddles gate and up. Checkpoints hold gate_proj / up_proj / down_proj as separate layers."""
+
+    scheme = "fp8_block"
+
+    def __init__(self, gate_up_proj: Fp8BlockLinear, down_proj: Fp8BlockLinear):
+        super().__init__()
+        if gate_up_proj.out_features % (2 * BLOCK) != 0:
+            raise ValueError(f"gate_up_proj: the hidden size must be a multiple of {BLOCK}, "
+                             f"got {gate_up_proj.out_features // 2}")
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+        self.hidden = gate_up_proj.out_features // 2
+
+    @classmethod
+    def from_mlp(cls, mlp: nn.Module) -> "Fp8BlockGatedMLP":
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            _check_linear(getattr(mlp, name, None), f"mlp.{name}")
+        gate, up = mlp.gate_proj, mlp.up_proj
+        if gate.bias is not None or up.bias is not None:
+            bias = torch.cat([gate.bias if gate.bias is not None else torch.zeros_like(up.bias),
+                              up.bias if up.bias is not None else torch.zeros_like(gate.bias)])
+        else:
+            bias = None
+        if gate.out_features % BLOCK != 0:
+            raise ValueError(f"mlp.gate_proj: out_features must be a multiple of {BLOCK} for the fused MLP, "
+                             f"got {gate.out_features}")
+        q_g, s_g = quantize_weight_blocks(gate.weight)
+        q_u, s_u = quantize_weight_blocks(up.weight)
+        gate_up = Fp8BlockLinear(torch.cat([q_g, q_u]), torch.cat([s_g, s_u]), bias)
+        return cls(gate_up, Fp8BlockLinear.from_linear(mlp.down_proj))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out_dtype = _out_dtype(x)
+        rows = _rows(x)
+        q, scales = self.gate_up_proj.quantize_input(rows)
+        gate_up = self.gate_up_proj.matmul_quantized(q, scales, out_dtype)
+        h_q, h_scales = ops.silu_and_mul_quant(gate_up, FP8, group_size=BLOCK, transposed_scales=True)
+        y = self.down_proj.matmul_quantized(h_q, h_scales, out_dtype)
+        return y.reshape(*x.shape[:-1], self.down_proj.out_features)
+
+    def split_layers(self) -> Dict[str, Fp8BlockLinear]:
+        """gate_proj, up_proj, down_proj as separate modules (views of the stacked tensors)."""
+        h, hb = self.hidden, self.hidden // BLOCK
+        gu = self.gate_up_proj
+        bias = gu.bias
+        gate = Fp8BlockLinear(gu.weight[:h], gu.weight_scale[:hb], None if bias is None else bias[:h])
+        up = Fp8BlockLinear(gu.weight[h:], gu.weight_scale[hb:], None if bias is None else bias[h:])
+        return {"gate_proj": gate, "up_proj": up, "down_proj": self.down_proj}
+
+    @classmethod
+    def from_layers(cls, gate: Fp8BlockLinear, up: Fp8BlockLinear, down: Fp8BlockLinear) -> "Fp8BlockGatedMLP":
+        bias = None
+        if gate.bias is not None or up.bias is not None:
+            bias = torch.cat([gate.bias if gate.bias is not None else torch.zeros_like(up.bias),
+                              up.bias if up.bias is not None else torch.zeros_like(gate.bias)])
+        return cls(Fp8BlockLinear(torch.cat([gate.weight, up.weight]),
+                                  torch.cat([gate.weight_scale, up.weight_scale]), bias), down)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Weight-only INT4 / INT8 (activations stay 16-bit)
+# ----------------------------------------------------------------------------------------------------
+class WeightOnlyLinear(QuantizedLinear):
+    """W4A16 / W8A16: integer weights per (channel, group), activations unquantized.
+
+    W[n, k] ~ W_hat[n, k] = (q[n, k] - z[n, g]) * s[n, g], g = k // group_size (one group per channel for
+    group_size = -1; z = 0 when symmetric). y = x @ W_hat^T + b, accumulated in float32 (`weight_only_mm`).
+    Float32 input runs in bfloat16 (the GEMM takes 16-bit activations) and is returned in float32.
+
+    Stored in compressed-tensors' pack-quantized layout: `weight_packed` int32 [N, K*bits/32] (signed
+    codes offset by 2^(bits-1), packed along K), `weight_scale` [N, G] float32, `weight_shape` [2],
+    `weight_zero_point` [ceil(N*bits/32), G] (signed, packed along N) when asymmetric. The kernel's own
+    packed form (`QuantizedWeight`) is built from these tensors and cached per device."""
+
+    def __init__(self, weight_packed: Tensor, weight_scale: Tensor, weight_shape: Tensor, bits: int,
+                 group_size: int, bias: Optional[Tensor], weight_zero_point: Optional[Tensor] = None):
+        n, k = (int(v) for v in weight_shape.tolist())
+        super().__init__(k, n, bias)
+        if bits not in (4, 8):
+            raise ValueError(f"bits: expected 4 or 8, got {bits}")
+        self.bits = int(bits)
+        self.group_size = int(group_size)
+        self.register_buffer("weight_packed", weight_packed.to(torch.int32).contiguous())
+        self.register_buffer("weight_scale", weight_scale.float().contiguous())
+        self.register_buffer("weight_shape", weight_shape.to(torch.int64).reshape(2).contiguous())
+        self.register_buffer("weight_zero_point",
+                             None if weight_zero_point is None else weight_zero_point.to(torch.int32).contiguous())
+        self._qw = None
+
+    @property
+    def scheme(self) -> str:  # type: ignore[override]
+        return f"int{self.bits}_weight_only"
+
+    @property
+    def symmetric(self) -> bool:
+        return self.weight_zero_point is None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: int = 128,
+                    symmetric: bool = True) -> "WeightOnlyLinear":
+        _check_linear(linear)
+        n, k = linear.weight.shape
+        if bits not in (4, 8):
+            raise ValueError(f"bits: expected 4 or 8, got {bits!r}")
+        if group_size not in (32, 64, 128, 256, -1) or (group_size != -1 and k % group_size != 0):
+            raise ValueError(f"group_size: expected -1 or one of 32, 64, 128, 256 dividing in_features={k}, "
+                             f"got {group_size!r}")
+        if k % 8 != 0:
+            raise ValueError(f"linear: weight-only GEMM needs in_features divisible by 8, got {k}")
+        # quantize_weight gives biased codes u = q + 2^(bits-1) (symmetric) or unsigned codes u with zero
+        # points z; compressed-tensors stores both offset by -2^(bits-1): the difference u - z is unchanged.
+        qw = ops.quantize_weight(linear.weight.detach(), bits=bits, group_size=group_size, symmetric=symmetric)
+        offset = 1 << (bits - 1)
+        packed = pack_int32(qw.biased_codes() - offset, bits, dim=1)
+        zp = None if symmetric else pack_int32(qw.zero_points().t() - offset, bits, dim=0)
+        shape = torch.tensor([n, k], dtype=torch.int64, device=linear.weight.device)
+        module = cls(packed, qw.scales.t(), shape, bits, group_size, linear.bias, zp)
+        module._qw = qw  # the same codes; skip rebuilding them from the packed tensors
+        return module
+
+    def codes(self) -> Tuple[Tensor, Optional[Tensor]]:
+        """(q [N, K], z [N, G] or None) as signed codes (asymmetric: both offset by -2^(bits-1))."""
+        q = unpack_int32(self.weight_packed, self.bits, self.in_features, dim=1)
+        if self.weight_zero_point is None:
+            return q, None
+        return q, unpack_int32(self.weight_zero_point, self.bits, self.out_features, dim=0)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """W_hat = (q - z) * s in float32 (q - z exact), one rounding to `dtype`."""
+        q, z = self.codes()
+        n, k = q.shape
+        g = k if self.group_size == -1 else self.group_size
+        diff = q.reshape(n, k // g, g).float()
+        if z is not None:
+            diff = diff - z.float()[:, :, None]
+        return (diff * self.weight_scale[:, :, None]).reshape(n, k).to(dtype)
+
+    def _device_changed(self) -> None:
+        self._qw = None
+
+    def quantized_weight(self):
+        """The kernel's `QuantizedWeight`, built from the compressed-tensors tensors on first use."""
+        if self._qw is None:
+            from .weights import QuantizedWeight
+
+            self._qw = QuantizedWeight.from_compressed_tensors(
+                self.weight_packed, self.weight_scale, self.weight_shape, self.weight_zero_point)
+        return self._qw
+
+    def forward(self, x: Tensor) -> Tensor:
+        out_dtype = _out_dtype(x)
+        xin = x if out_dtype != torch.float32 else x.to(torch.bfloat16)
+        bias = self.bias if self.bias is None else self.bias.to(xin.dtype)
+        y = ops.weight_only_mm(_rows(xin), self.quantized_weight(), bias)
+        return y.to(out_dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def checkpoint_meta(self):
+        meta = super().checkpoint_meta()
+        meta.update(bits=self.bits, group_size=self.group_size)
+        return meta
+
+    @classmethod
+    def _from_tensors(cls, tensors, meta):
+        return cls(tensors["weight_packed"], tensors["weight_scale"], tensors["weight_shape"], int(meta["bits"]),
+                   int(meta["group_size"]), tensors.get("bias"), tensors.get("weight_zero_point"))
+
+    def ct_scheme(self):
+        strategy = "channel" if self.group_size == -1 else "group"
+        return {"format": "pack-quantized",
+                "weights": _ct_args(self.bits, "int", strategy, symmetric=self.symmetric,
+                                    group_size=None if self.group_size == -1 else self.group_size),
+                "input_activations": None}
+
+
+MODULE_CLASSES = {cls.__name__: cls for cls in
+                  (Int8DynamicLinear, Int8StaticLinear, Fp8DynamicLinear, Fp8BlockLinear, WeightOnlyLinear)}
+
+__all__ = ["QuantizedLinear", "Int8DynamicLinear", "Int8StaticLinear", "Fp8DynamicLinear", "Fp8BlockLinear",
+           "Fp8BlockGatedMLP", "WeightOnlyLinear", "quantize_weight_per_channel", "quantize_weight_blocks",
+           "pack_int32", "unpack_int32"]

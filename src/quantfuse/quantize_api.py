@@ -1,0 +1,397 @@
+"""Model-level API: `quantize_(model, config, calibration_data=None)` swaps `nn.Linear` layers for the
+quantized modules of `quantfuse.modules`, in place (in the spirit of torchao's `quantize_`).
+
+    import quantfuse
+    quantfuse.quantize_(model, quantfuse.Int8DynamicConfig(skip=("lm_head",)))
+    quantfuse.quantize_(model, quantfuse.Int8StaticConfig(calibrator="entropy"), calibration_data=batches)
+    quantfuse.save_quantized(model, "out/")          # safetensors + compressed-tensors quantization_config
+
+Which layers: every `nn.Linear` whose name does not match `config.skip` (fnmatch patterns matched against
+the full dotted name and against its last component; "re:<regex>" for a regular expression).
+`config.overrides` maps name patterns to another config (or None to leave the layer alone); the first
+matching pattern wins. Static schemes calibrate first: forward pre-hooks on the target layers feed each
+layer's input to a calibrator while the model runs over `calibration_data` (an iterable of batches:
+tensors -> model(x), dicts -> model(**batch), tuples -> model(*batch)).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .modules import (
+    Fp8BlockGatedMLP,
+    Fp8BlockLinear,
+    Fp8DynamicLinear,
+    Int8DynamicLinear,
+    Int8StaticLinear,
+    QuantizedLinear,
+    WeightOnlyLinear,
+)
+
+CALIBRATORS = ("max", "percentile", "mse", "entropy")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class QuantConfig:
+    """Common fields. `skip`: name patterns left in floating point. `overrides`: {pattern: config or None}."""
+
+    skip: Tuple[str, ...] = ("lm_head",)
+    overrides: Dict[str, Optional["QuantConfig"]] = field(default_factory=dict)
+
+    scheme = "base"
+    needs_calibration = False
+
+    def convert(self, linear: nn.Linear, stats: Optional["_LayerStats"] = None) -> nn.Module:  # pragma: no cover
+        raise NotImplementedError
+
+
+@dataclass
+class Int8DynamicConfig(QuantConfig):
+    """INT8 weights per output channel, INT8 activations per token (dynamic)."""
+
+    scheme = "int8_dynamic"
+
+    def convert(self, linear, stats=None):
+        return Int8DynamicLinear.from_linear(linear)
+
+
+@dataclass
+class Fp8DynamicConfig(QuantConfig):
+    """FP8 e4m3 weights per output channel, FP8 activations per token (dynamic)."""
+
+    scheme = "fp8_dynamic"
+
+    def convert(self, linear, stats=None):
+        return Fp8DynamicLinear.from_linear(linear)
+
+
+@dataclass
+class Fp8BlockConfig(QuantConfig):
+    """FP8 with 128x128 weight blocks and 1x128 dynamic activation groups. `fuse_gated_mlp`: gated MLPs
+    (gate_proj/up_proj/down_proj with SiLU) become one `Fp8BlockGatedMLP` using `silu_and_mul_quant`."""
+
+    fuse_gated_mlp: bool = True
+    scheme = "fp8_block"
+
+    def convert(self, linear, stats=None):
+        return Fp8BlockLinear.from_linear(linear)
+
+
+@dataclass
+class Int8StaticConfig(QuantConfig):
+    """INT8 weights per output channel, a static per-tensor INT8 activation scale from calibration.
+
+    calibrator: "max" (running max |x|), or a histogram method "percentile" (at `percentile`), "mse",
+    "entropy" (SPEC section 5). symmetric=False calibrates the input range [lo, hi] (running min/max,
+    clipped to [-amax, amax] of the chosen calibrator) and uses a zero point (the azp epilogue)."""
+
+    calibrator: str = "max"
+    symmetric: bool = True
+    percentile: float = 99.99
+    num_bins: int = 2048
+    scheme = "int8_static"
+    needs_calibration = True
+
+    def __post_init__(self):
+        if self.calibrator not in CALIBRATORS:
+            raise ValueError(f"calibrator: expected one of {CALIBRATORS}, got {self.calibrator!r}")
+        if not isinstance(self.symmetric, bool):
+            raise TypeError(f"symmetric: expected a bool, got {type(self.symmetric).__name__}")
+
+    def convert(self, linear, stats=None):
+        if stats is None or not stats.seen:
+            raise RuntimeError("Int8StaticConfig: the layer saw no calibration data (was it ever called?)")
+        amax = stats.amax(self)
+        if self.symmetric:
+            return Int8StaticLinear.from_linear(linear, amax=amax)
+        lo, hi = max(stats.lo, -amax), min(stats.hi, amax)
+        return Int8StaticLinear.from_linear(linear, input_range=(lo, hi))
+
+
+@dataclass
+class Int4WeightOnlyConfig(QuantConfig):
+    """INT4 weights per (channel, group of `group_size` inputs), 16-bit activations (W4A16)."""
+
+    group_size: int = 128
+    symmetric: bool = True
+    scheme = "int4_weight_only"
+    bits = 4
+
+    def convert(self, linear, stats=None):
+        return WeightOnlyLinear.from_linear(linear, bits=self.bits, group_size=self.group_size,
+                                            symmetric=self.symmetric)
+
+
+@dataclass
+class Int8WeightOnlyConfig(Int4WeightOnlyConfig):
+    """INT8 weights per output channel (group_size=-1) or per group, 16-bit activations (W8A16)."""
+
+    group_size: int = -1
+    scheme = "int8_weight_only"
+    bits = 8
+
+
+CONFIGS = {cls.scheme: cls for cls in (Int8DynamicConfig, Int8StaticConfig, Fp8DynamicConfig, Fp8BlockConfig,
+                                       Int4WeightOnlyConfig, Int8WeightOnlyConfig)}
+
+
+def config_for_scheme(scheme: str, **kwargs) -> QuantConfig:
+    """The config class of a scheme name (int8_dynamic, int8_static, fp8_dynamic, fp8_block,
+    int4_weight_only, int8_weight_only) built with `kwargs`."""
+    if scheme not in CONFIGS:
+        raise ValueError(f"scheme: expected one of {tuple(CONFIGS)}, got {scheme!r}")
+    return CONFIGS[scheme](**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Layer selection
+# ----------------------------------------------------------------------------------------------------
+def name_matches(name: str, pattern: str) -> bool:
+    """fnmatch on the full dotted name or on its last component; "re:<regex>" = regex fullmatch."""
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name.rsplit(".", 1)[-1], pattern)
+
+
+def _resolve(name: str, config: QuantConfig) -> Optional[QuantConfig]:
+    for pattern, override in config.overrides.items():
+        if name_matches(name, pattern):
+            return override
+    if any(name_matches(name, p) for p in config.skip):
+        return None
+    return config
+
+
+# Linear-like layers from other libraries that we refuse loudly instead of silently leaving in float.
+_UNSUPPORTED_LINEAR_LIKE = ("Conv1D", "Linear8bitLt", "Linear4bit", "QuantLinear")
+
+
+def plan(model: nn.Module, config: QuantConfig) -> Dict[str, QuantConfig]:
+    """{layer name: config} for every layer `quantize_` would convert; raises on unsupported layers."""
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"config: expected a quantfuse QuantConfig (e.g. Int8DynamicConfig()), "
+                        f"got {type(config).__name__}")
+    chosen: Dict[str, QuantConfig] = {}
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        if isinstance(module, (QuantizedLinear, Fp8BlockGatedMLP)):
+            continue
+        resolved = _resolve(name, config)
+        if isinstance(module, nn.Linear):
+            if resolved is not None:
+                chosen[name] = resolved
+            continue
+        if resolved is None:
+            continue
+        explicit = any(name_matches(name, p) and o is not None for p, o in config.overrides.items())
+        if explicit or type(module).__name__ in _UNSUPPORTED_LINEAR_LIKE:
+            raise ValueError(
+                f"unsupported layer: '{name}' is a {type(module).__name__}; quantfuse quantizes torch.nn.Linear "
+                f"layers only. Add '{name}' to the config's skip list to leave it in floating point.")
+    return chosen
+
+
+# ----------------------------------------------------------------------------------------------------
+# Calibration
+# ----------------------------------------------------------------------------------------------------
+class _LayerStats:
+    """What calibration records about one layer's input: a calibrator plus the running min/max."""
+
+    def __init__(self, config: Int8StaticConfig):
+        from .calibrate import HistogramCalibrator, MaxCalibrator
+
+        self.calibrator = MaxCalibrator() if config.calibrator == "max" else HistogramCalibrator(config.num_bins)
+        self.lo = float("inf")
+        self.hi = float("-inf")
+        self.seen = 0
+
+    @torch.no_grad()
+    def collect(self, x: torch.Tensor) -> None:
+        x = x.detach()
+        if not x.is_floating_point() or x.numel() == 0:
+            return
+        self.calibrator.collect(x)
+        self.lo = min(self.lo, float(x.min()))
+        self.hi = max(self.hi, float(x.max()))
+        self.seen += 1
+
+    def amax(self, config: Int8StaticConfig) -> float:
+        if config.calibrator == "max":
+            return float(self.calibrator.compute_amax())
+        kwargs = {"percentile": config.percentile} if config.calibrator == "percentile" else {}
+        return float(self.calibrator.compute_amax(config.calibrator, **kwargs))
+
+
+def _model_device(model: nn.Module) -> Optional[torch.device]:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return None
+
+
+def _to_device(batch: Any, device):
+    if device is None:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict) or hasattr(batch, "items"):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def run_batch(model: nn.Module, batch: Any):
+    """Call the model on one calibration batch (tensor, dict of kwargs, or tuple of args)."""
+    batch = _to_device(batch, _model_device(model))
+    if isinstance(batch, torch.Tensor):
+        return model(batch)
+    if isinstance(batch, dict) or hasattr(batch, "items"):
+        return model(**batch)
+    if isinstance(batch, (list, tuple)):
+        return model(*batch)
+    raise TypeError(f"calibration_data: expected batches that are tensors, dicts or tuples, got {type(batch).__name__}")
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, layer_configs: Dict[str, Int8StaticConfig], calibration_data: Iterable,
+              progress: bool = True) -> Dict[str, _LayerStats]:
+    """Run the model over the calibration batches with forward pre-hooks recording each layer's input."""
+    from tqdm.auto import tqdm
+
+    stats = {name: _LayerStats(cfg) for name, cfg in layer_configs.items()}
+    modules = dict(model.named_modules())
+    hooks = []
+    for name, st in stats.items():
+        hooks.append(modules[name].register_forward_pre_hook(lambda mod, args, st=st: st.collect(args[0])))
+    try:
+        total = len(calibration_data) if hasattr(calibration_data, "__len__") else None
+        batches = 0
+        for batch in tqdm(calibration_data, total=total, desc="quantfuse: calibrating", disable=not progress,
+                          leave=False):
+            run_batch(model, batch)
+            batches += 1
+    finally:
+        for h in hooks:
+            h.remove()
+    if batches == 0:
+        raise ValueError("calibration_data: expected at least one batch, got an empty iterable")
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------------
+# quantize_
+# ----------------------------------------------------------------------------------------------------
+def _gated_mlps(model: nn.Module, chosen: Dict[str, QuantConfig]) -> Dict[str, nn.Module]:
+    """Gated MLPs (Llama-style gate_proj / up_proj / down_proj + SiLU) all mapped to a fusing Fp8BlockConfig."""
+    found = {}
+    for name, module in model.named_modules():
+        parts = [getattr(module, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(p, nn.Linear) for p in parts):
+            continue
+        act = getattr(module, "act_fn", None)
+        if not (isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")):
+            continue
+        prefix = f"{name}." if name else ""
+        cfgs = [chosen.get(prefix + p) for p in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(c, Fp8BlockConfig) and c.fuse_gated_mlp for c in cfgs):
+            continue
+        gate = module.gate_proj
+        if gate.out_features % 128 or gate.in_features % 128 or module.down_proj.in_features % 128:
+            continue  # not block aligned: the three linears are converted one by one
+        found[name] = module
+    return found
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+@torch.no_grad()
+def quantize_(model: nn.Module, config: QuantConfig, calibration_data: Optional[Iterable] = None,
+              progress: bool = True) -> nn.Module:
+    """Replace the model's `nn.Linear` layers by quantized modules, in place; returns the model.
+
+    Static configs (Int8StaticConfig, also through `overrides`) need `calibration_data`. Layers whose
+    shape a scheme cannot take (e.g. fp8_block with in_features not a multiple of 128) raise a
+    ValueError naming the layer; skip them or override them with another config."""
+    from tqdm.auto import tqdm
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    chosen = plan(model, config)
+    if not chosen:
+        raise ValueError(f"model: found no nn.Linear layer to quantize (skip={config.skip!r})")
+
+    static = {n: c for n, c in chosen.items() if c.needs_calibration}
+    stats: Dict[str, _LayerStats] = {}
+    if static:
+        if calibration_data is None:
+            raise ValueError(f"calibration_data: {len(static)} layer(s) use a static scheme "
+                             f"({next(iter(static.values())).scheme}) and need calibration batches, got None")
+        was_training = model.training
+        model.eval()
+        try:
+            stats = calibrate(model, static, calibration_data, progress)
+        finally:
+            model.train(was_training)
+
+    fused = _gated_mlps(model, chosen)
+    fused_children = {f"{n}.{p}" if n else p for n in fused for p in ("gate_proj", "up_proj", "down_proj")}
+    work: List[Tuple[str, Any]] = [(n, None) for n in fused] + [(n, c) for n, c in chosen.items()
+                                                               if n not in fused_children]
+    modules = dict(model.named_modules())
+    for name, cfg in tqdm(work, desc=f"quantfuse: {config.scheme}", disable=not progress, leave=False):
+        module = modules[name]
+        try:
+            if cfg is None:
+                new = Fp8BlockGatedMLP.from_mlp(module)
+            else:
+                new = cfg.convert(module, stats.get(name))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"layer '{name}' ({type(module).__name__}"
+                             + (f" {module.in_features}->{module.out_features}" if isinstance(module, nn.Linear) else "")
+                             + f") cannot take scheme {cfg.scheme if cfg else 'fp8_block'}: {err}. "
+                             "Add it to skip or give it another config in overrides.") from err
+        _set_module(model, name, new)
+    return model
+
+
+def quantized_layers(model: nn.Module) -> Dict[str, nn.Module]:
+    """{name: module} of every quantfuse module in the model (fused MLPs count once)."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8BlockGatedMLP):
+            out[name] = module
+        elif isinstance(module, QuantizedLinear) and not any(name.startswith(f + ".") for f in out):
+            out[name] = module
+    return out
+
+
+def linear_weight_nbytes(model: nn.Module) -> int:
+    """Bytes of all linear-layer weights: quantized codes + scales (+ zero points), or float weights."""
+    total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            total += module.weight_nbytes()
+        elif isinstance(module, nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+    return total
+
+
+from .checkpoint import load_quantized, save_quantized  # noqa: E402  (re-exported)
+
+__all__ = ["quantize_", "QuantConfig", "Int8DynamicConfig", "Int8StaticConfig", "Fp8DynamicConfig",
+           "Fp8BlockConfig", "Int4WeightOnlyConfig", "Int8WeightOnlyConfig", "config_for_scheme",
+           "save_quantized", "load_quantized", "CONFIGS"]
