@@ -65,9 +65,10 @@ def to_int8_sat_azp(v, azp):
         w = tl.minimum(tl.maximum(v, -128.0 - azp_f), 127.0 - azp_f)
         q = rne_f32(w) + azp_f
     else:
+        # distinct names: Triton requires a variable to keep one type across both branches
         azp_d = azp.to(tl.float64)
-        w = tl.minimum(tl.maximum(v.to(tl.float64), -128.0 - azp_d), 127.0 - azp_d)
-        q = (rne_f64(w) + azp_d).to(tl.float32)
+        w_d = tl.minimum(tl.maximum(v.to(tl.float64), -128.0 - azp_d), 127.0 - azp_d)
+        q = (rne_f64(w_d) + azp_d).to(tl.float32)
     return q.to(tl.int8)
 
 

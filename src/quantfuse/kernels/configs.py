@@ -24,8 +24,8 @@ class Tile:
 
 # elements one program keeps in flight, and the longest row a per-token program holds in registers
 _QUANT_TABLE = {
-    "sm90": {"elements": 8192, "max_single_pass_k": 16384, "loop_block_k": 4096},
-    "default": {"elements": 4096, "max_single_pass_k": 8192, "loop_block_k": 2048},
+    "sm90": {"elements": 8192, "max_single_pass_k": 16384, "loop_block_k": 4096, "group_block_k": 1024},
+    "default": {"elements": 4096, "max_single_pass_k": 8192, "loop_block_k": 2048, "group_block_k": 1024},
 }
 
 
@@ -47,9 +47,9 @@ def _warps(elements: int) -> int:
     return 16
 
 
-def quantize_tile(device: torch.device, kind: str, k: int) -> Tile:
+def quantize_tile(device: torch.device, kind: str, k: int, group: int = 1) -> Tile:
     """Tile for the quantize/dequantize kernels. kind: per_token | per_group | per_tensor | elementwise.
-    For per_group, k is the group size."""
+    k is the row length; for per_group, block_k is a multiple of `group`."""
     table = _QUANT_TABLE[arch_key(device.type, device.index)]
     budget = table["elements"]
     if kind == "per_token":
@@ -60,8 +60,9 @@ def quantize_tile(device: torch.device, kind: str, k: int) -> Tile:
         block_k = table["loop_block_k"]
         return Tile(1, block_k, _warps(block_k), False)
     if kind == "per_group":
-        block_r = max(1, budget // k)
-        return Tile(block_r, k, _warps(block_r * k))
+        block_k = max(group, min(triton.next_power_of_2(k), table["group_block_k"]))
+        block_m = max(1, budget // block_k)
+        return Tile(block_m, block_k, _warps(block_m * block_k))
     block_k = min(triton.next_power_of_2(k), 1024)
     block_m = max(1, budget // block_k)
     return Tile(block_m, block_k, _warps(block_m * block_k))

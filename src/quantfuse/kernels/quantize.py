@@ -4,8 +4,8 @@ Design (memory-bound; the floor is one read of x and one write of q):
 - per token: a program owns BLOCK_M whole rows; rows up to MAX_SINGLE_PASS_K elements stay in registers
   between the amax reduction and the quantization (x is read once); longer rows are read twice, the
   second read mostly from L2.
-- per group: a program owns BLOCK_R (row, group) regions laid out as a [BLOCK_R, G] tile, so one launch
-  covers any M and K/G with full-width loads and no per-row launch granularity.
+- per group: a program owns a [BLOCK_M, BLOCK_K] tile (BLOCK_K a multiple of G), reshaped to
+  [BLOCK_M, BLOCK_K/G, G] for the group amax: plain row-contiguous loads, several groups per row.
 - dynamic per tensor: a partial-amax kernel writes one float per program, then the quantize kernel
   reduces those partials itself (tiny, L2-resident) and quantizes. No host sync, no atomics, no memset:
   deterministic and CUDA-graph safe.
@@ -115,23 +115,25 @@ def _per_token_kernel(
 @triton.jit
 def _per_group_kernel(
     x_ptr, q_ptr, scale_ptr, ub_ptr,
-    num_regions, groups_per_row, stride_xm, stride_qm, stride_sm, stride_sg,
+    M, K, stride_xm, stride_qm, stride_sm, stride_sg,
     QMAX: tl.constexpr, IS_FP8: tl.constexpr, HAS_UB: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    region = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    region_mask = region < num_regions
-    row = region // groups_per_row
-    grp = region % groups_per_row
-    cols = tl.arange(0, GROUP)
-    mask = region_mask[:, None]
-    x = tl.load(x_ptr + (row * stride_xm + grp * GROUP)[:, None] + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    scale = _region_scale(tl.max(tl.abs(x), axis=1), QMAX, HAS_UB, ub_ptr)
-    q = quantize_value(tl.math.div_rn(x, scale[:, None]), IS_FP8, INTERPRET)
-    tl.store(q_ptr + (row * stride_qm + grp * GROUP)[:, None] + cols[None, :], q, mask=mask)
-    tl.store(scale_ptr + row * stride_sm + grp * stride_sg, scale, mask=region_mask)
+    # A [BLOCK_M, BLOCK_K] tile of whole rows' chunks, viewed as [BLOCK_M, BLOCK_K / GROUP, GROUP] for the
+    # per-group amax: loads stay plain row-contiguous 2-D (full-width vectors, no per-region index math).
+    # GROUP divides K and BLOCK_K, so the K mask never splits a group.
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x3 = tl.reshape(x, (BLOCK_M, GROUPS, GROUP))
+    scale = _region_scale(tl.max(tl.abs(x3), axis=2), QMAX, HAS_UB, ub_ptr)
+    q = quantize_value(tl.math.div_rn(x3, scale[:, :, None]), IS_FP8, INTERPRET)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], tl.reshape(q, (BLOCK_M, BLOCK_K)), mask=mask)
+    grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    s_mask = (rows[:, None] < M) & (grp[None, :] < K // GROUP)
+    tl.store(scale_ptr + rows[:, None] * stride_sm + grp[None, :] * stride_sg, scale, mask=s_mask)
 
 
 @triton.jit
@@ -167,6 +169,8 @@ def _per_tensor_kernel(
         scale = _region_scale(amax, QMAX, False, partial_ptr)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(scale_ptr, scale)
+        # walk the rows backwards: the amax pass read the last rows last, so they are still in L2
+        pid_m = tl.num_programs(0) - 1 - pid_m
     else:
         scale = tl.load(scale_ptr)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -245,13 +249,13 @@ def quantize_per_group(
         scales = torch.empty((groups, m), dtype=torch.float32, device=x2d.device).t()
     else:
         scales = torch.empty((m, groups), dtype=torch.float32, device=x2d.device)
-    tile = quantize_tile(x2d.device, "per_group", group_size)
-    num_regions = m * groups
-    _per_group_kernel[(triton.cdiv(num_regions, tile.block_m),)](
+    tile = quantize_tile(x2d.device, "per_group", k, group_size)
+    _per_group_kernel[(triton.cdiv(m, tile.block_m), triton.cdiv(k, tile.block_k))](
         x2d, q, scales, scale_ub if scale_ub is not None else scales,
-        num_regions, groups, x2d.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
+        m, k, x2d.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
         QMAX=_QMAX[dtype], IS_FP8=dtype == torch.float8_e4m3fn, HAS_UB=scale_ub is not None,
-        GROUP=group_size, BLOCK_R=tile.block_m, INTERPRET=INTERPRET, num_warps=tile.num_warps,
+        GROUP=group_size, BLOCK_M=tile.block_m, BLOCK_K=tile.block_k, INTERPRET=INTERPRET,
+        num_warps=tile.num_warps,
     )
     return q, scales
 

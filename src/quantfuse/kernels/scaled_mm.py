@@ -74,19 +74,24 @@ CONFIGS: Dict[str, List[Tuple[int, List[MMConfig]]]] = {
 }
 
 # Blockwise FP8: BLOCK_K divides the 128-wide scale group so each K step has one activation scale per
-# row; BLOCK_N <= 128 and 128 % BLOCK_N == 0 so a tile sees one weight-block scale per K step.
+# row (and one weight-block scale per column). Large-M entries from a tile sweep on the H100
+# (benchmarks/tune_scaled_mm.py): two float32 tiles (accumulator and the step's partial) live in
+# registers, so 64x128 / 128x64 tiles beat 128x128 here.
 BLOCKWISE_CONFIGS: Dict[str, List[Tuple[int, List[MMConfig]]]] = {
     "sm90": [
         (16, [MMConfig(16, 64, 128, 4, 4), MMConfig(16, 128, 128, 4, 4)]),
         (64, [MMConfig(64, 64, 128, 4, 4), MMConfig(64, 128, 128, 4, 4)]),
         (256, [MMConfig(64, 128, 128, 4, 4), MMConfig(128, 128, 128, 8, 3)]),
-        (_BIG, [MMConfig(128, 128, 128, 8, 4), MMConfig(128, 128, 128, 4, 4), MMConfig(64, 128, 128, 4, 4)]),
+        (_BIG, [MMConfig(64, 128, 128, 4, 3), MMConfig(128, 64, 128, 8, 3), MMConfig(128, 128, 128, 8, 4)]),
     ],
     "default": [
         (16, [MMConfig(16, 64, 128, 4, 3)]),
         (_BIG, [MMConfig(64, 128, 128, 4, 3)]),
     ],
 }
+
+# Split-K is for weight streaming at decode-like M only.
+SPLIT_K_MAX_M = 256
 
 # Under the interpreter every program is a Python loop: small tiles keep the CPU tests fast.
 _INTERPRET_CONFIG = MMConfig(16, 32, 32, 4, 1, group_m=2)
@@ -110,6 +115,10 @@ def choose_split_k(m: int, n: int, k: int, cfg: MMConfig, device: torch.device) 
     software pipeline still overlaps loads with math. Only the small-M buckets get here with few tiles."""
     if cfg.split_k:
         return cfg.split_k
+    if m > SPLIT_K_MAX_M:
+        # past decode sizes a near-full wave of tiles beats the partial-sum round trip through memory
+        # (splitting 1024x4096x4096 three ways halved its throughput on the H100)
+        return 1
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     k_steps = triton.cdiv(k, cfg.block_k)
     target = 2 * _sm_count(device)
@@ -290,8 +299,8 @@ def _blockwise_kernel(
     a_ptrs = a_ptr + ram[:, None] * stride_am + rk[None, :] * stride_ak
     b_ptrs = b_ptr + rk[:, None] * stride_bk + rbn[None, :] * stride_bn
     sa_ptrs = scale_a_ptr + ram * stride_sam
-    # BLOCK_N divides 128, so the whole tile shares one weight-block column
-    sb_ptr = scale_b_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_sbn
+    # one weight-block scale per column (BLOCK_N may span several 128-wide weight blocks)
+    sb_ptrs = scale_b_ptr + (rbn // SCALE_BLOCK) * stride_sbn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -300,9 +309,9 @@ def _blockwise_kernel(
         b = _load_operand(b_ptrs, (kk < k_end)[:, None], EVEN_K, True, INTERPRET)
         kb = k0 // SCALE_BLOCK
         sa = tl.load(sa_ptrs + kb * stride_sak)
-        sb = tl.load(sb_ptr + kb * stride_sbk)
+        sb = tl.load(sb_ptrs + kb * stride_sbk)
         partial = _mma(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), True, INTERPRET)
-        acc += (sa * sb)[:, None] * partial
+        acc += (sa[:, None] * sb[None, :]) * partial
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
