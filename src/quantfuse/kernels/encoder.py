@@ -201,6 +201,19 @@ def int8_gemm(
 
     Returns fp16 [M, N] ("residual"), int8 [M, N] ("requant"), or (qk int8 [2, heads, M, head_dim],
     vt int8 [heads, head_dim, vt_stride]) ("qkv")."""
+    if epilogue not in _EPILOGUES:
+        raise ValueError(f"epilogue: expected one of {tuple(_EPILOGUES)}, got {epilogue!r}")
+    for name, t in (("a", a), ("w", w)):
+        if t.dtype != torch.int8 or t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(f"{name}: expected a 2-D int8 tensor with unit column stride, got "
+                             f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    if a.shape[1] != w.shape[1]:
+        raise ValueError(f"a, w: expected the same K, got a {tuple(a.shape)} and w {tuple(w.shape)}")
+    if epilogue != "residual" and out_scale is None:
+        raise ValueError(f"out_scale: the {epilogue!r} epilogue requantizes and needs out_scale")
+    if epilogue == "qkv" and w.shape[0] != 3 * heads * head_dim:
+        raise ValueError(f"w: the 'qkv' epilogue expects {3 * heads * head_dim} = 3 * heads * head_dim rows, "
+                         f"got {w.shape[0]}")
     m, k = a.shape
     n = w.shape[0]
     dev = a.device
@@ -281,7 +294,7 @@ def _int8_attention_kernel(
         # Pass 2: final probabilities, quantized on chip, times V.
         m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
         # 1/l and 1/s_p folded into one factor; rows without any unmasked key get 0.
-        p_factor = tl.where(l_i > 0.0, inv_p_scale / l_i, 0.0)
+        p_factor = tl.where(l_i > 0.0, inv_p_scale / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.int32)
         for n0 in range(0, length, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)

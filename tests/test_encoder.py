@@ -1,0 +1,379 @@
+"""CPU tests of the INT8 encoder (SPEC section 6): every fused kernel of `quantfuse.kernels.encoder` under the
+Triton interpreter against its fake-quant PyTorch reference (same scales), the whole encoder built with
+`Int8Encoder.from_hf` from a tiny random `transformers.BertModel` (modes 1 and 2) against the fp32 model,
+padding removal against the padded path, and bad arguments.
+
+Measured bounds (tiny BERT, hidden 64, 2 layers, 4 heads, sequences of 1 / 31 / 32 tokens, max calibration):
+* kernels vs reference: int8 codes identical on every element measured (the bound allows one code on 0.1%);
+  fp16 outputs identical (the bound is fp16 tolerance);
+* Triton encoder vs the reference encoder (same pipeline): max |diff| <= 0.002 (fp16 rounding of the
+  residual sums), cosine 1.00000; bound: cosine > 0.9999, |diff| < 0.05;
+* encoder vs the fp32 HF model, default init (initializer_range 0.02): per-token cosine >= 0.9993 (mode 1
+  and 2); bound 0.995. That init barely moves the embeddings (embeddings alone score 0.999), so a second
+  model with initializer_range 0.1 (embeddings alone: cosine 0.45) checks that the layers are right:
+  measured per-token cosine >= 0.9995 (mode 1) / 0.9995 (mode 2), relative error 0.017 / 0.024; bounds
+  cosine > 0.995 and relative error < 0.06.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _encoder_util as u  # noqa: E402
+from quantfuse import encoder as enc  # noqa: E402
+from quantfuse import ops  # noqa: E402
+from quantfuse.encoder import Int8Encoder, pack_mask  # noqa: E402
+from quantfuse.kernels import encoder as ke  # noqa: E402
+
+DEV = "cpu"
+VOCAB = 100
+HF_COS_BOUND = 0.995      # per-token cosine to the fp32 model (measured >= 0.9993)
+HF_REL_ERR_BOUND = 0.06   # relative Frobenius error to the fp32 model, init 0.1 (measured <= 0.024)
+
+
+def _cos(a, b):
+    return F.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fused GEMM epilogues
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m", [1, 31, 32, 127])
+@pytest.mark.parametrize("k", [64, 96])  # 96: K not a multiple of the K tile (masked tail)
+def test_gemm_qkv_head_split(m, k):
+    heads, hidden = 2, 64
+    out, ref = u.gemm_case("qkv", m, 3 * hidden, k, DEV, heads=heads)
+    assert out[0].shape == (2, heads, m, hidden // heads) and out[1].shape == (heads, hidden // heads, m + 5)
+    u.assert_int8_close(out[0], ref[0])
+    u.assert_int8_close(out[1][:, :, :m], ref[1][:, :, :m])
+    assert (ref[0] != 0).float().mean() > 0.5  # the scales make the requantization non-trivial
+
+
+@pytest.mark.parametrize("m", [1, 31, 32, 127])
+@pytest.mark.parametrize("gelu", [True, False])
+def test_gemm_requant(m, gelu):
+    n, k = 128, 96
+    a, w = u.int8(m, k), u.int8(n, k)
+    a_scale = enc._f32(0.02)
+    w_scale = torch.rand(n) * 0.01 + 0.002
+    bias = torch.randn(n)
+    out_scale = torch.tensor([0.05], dtype=torch.float32)
+    ref = enc.reference_int8_gemm(a, w, a_scale, w_scale, bias, "requant", out_scale=out_scale, gelu=gelu)
+    with ops.backend("triton"):
+        out = ke.int8_gemm(a, w, a_scale, w_scale, bias, "requant", out_scale=out_scale, gelu=gelu)
+    assert out.dtype == torch.int8 and out.shape == (m, n)
+    u.assert_int8_close(out, ref)
+    if m > 1:
+        assert (ref.abs() == 127).any() or (ref == -128).any()  # saturation is exercised
+        assert ((ref != 0) & (ref.abs() < 127)).float().mean() > 0.2
+
+
+@pytest.mark.parametrize("m", [1, 31, 32, 127])
+@pytest.mark.parametrize("residual", [None, "fp16", "int8"])
+def test_gemm_residual_fp16_out(m, residual):
+    out, ref = u.gemm_case("residual", m, 64, 128, DEV, residual=residual)
+    assert out.dtype == torch.float16 and out.shape == (m, 64)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-3, atol=1e-3)
+
+
+def test_gemm_strided_residual():
+    m, n, k = 31, 64, 64
+    a, w = u.int8(m, k), u.int8(n, k)
+    w_scale, bias = torch.rand(n) * 0.01, torch.randn(n)
+    res = (torch.randn(m, 2 * n) * 3).half()[:, :n]  # row stride 2n
+    ref = enc.reference_int8_gemm(a, w, 0.02, w_scale, bias, "residual", residual=res)
+    with ops.backend("triton"):
+        out = ke.int8_gemm(a, w, 0.02, w_scale, bias, "residual", residual=res)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-3, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lengths", [[1], [31], [32], [31, 32, 1], [127, 5]])
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_attention_packed(lengths, head_dim):
+    out, ref, _, _ = u.attention_case(lengths, 2, head_dim, DEV)
+    assert out.shape == (sum(lengths), 2 * head_dim) and out.dtype == torch.int8
+    u.assert_int8_close(out, ref)
+    assert (ref != 0).float().mean() > 0.3
+
+
+def test_attention_padded_with_fully_masked_rows():
+    # padded to 32 with a key mask; sequence 2 has no valid key at all (length 0)
+    lengths = [32, 31, 0, 1]
+    out, ref, _, key_mask = u.attention_case(lengths, 2, 16, DEV, padded=True)
+    u.assert_int8_close(out, ref)
+    assert torch.isfinite(out.float()).all()
+    assert int(out[64:96].abs().max()) == 0  # p = 0 everywhere: ctx = 0, never NaN
+
+
+def test_attention_masked_keys_in_packed_sequences():
+    # a whole sequence masked (rows 31..61) plus scattered masked keys in the others
+    lengths = [31, 31, 32]
+    masked = list(range(31, 62)) + [0, 5, 30, 70, 93]
+    out, ref, _, _ = u.attention_case(lengths, 2, 16, DEV, masked_keys=masked)
+    u.assert_int8_close(out, ref)
+    assert int(out[31:62].abs().max()) == 0
+
+
+def test_attention_mask_changes_result():
+    # masking keys must change the outputs of the other rows (the mask is really applied)
+    torch.manual_seed(5)
+    a, _, _, _ = u.attention_case([32], 2, 16, DEV)
+    torch.manual_seed(5)
+    b, _, _, _ = u.attention_case([32], 2, 16, DEV, masked_keys=[3, 4, 5, 6])
+    assert not torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------------
+# LayerNorm + requant
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m", [1, 31, 32, 127])
+@pytest.mark.parametrize("n", [64, 96])
+@pytest.mark.parametrize("write_fp16", [True, False])
+def test_layernorm_quant(m, n, write_fp16):
+    (o16, o8), (r16, r8) = u.layernorm_case(m, n, DEV, write_fp16)
+    if write_fp16:
+        assert o16.dtype == torch.float16
+        torch.testing.assert_close(o16.float(), r16.float(), rtol=1e-3, atol=2e-3)
+    else:
+        assert o16 is None and r16 is None
+    u.assert_int8_close(o8, r8)
+
+
+def test_layernorm_fp16_only():
+    (o16, o8), (r16, r8) = u.layernorm_case(31, 64, DEV, True, with_int8=False)
+    assert o8 is None and r8 is None
+    torch.testing.assert_close(o16.float(), r16.float(), rtol=1e-3, atol=2e-3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# pack_mask
+# ----------------------------------------------------------------------------------------------------
+def test_pack_mask():
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 1, 1]])
+    pk = pack_mask(mask)
+    assert pk.indices.tolist() == [0, 1, 2, 8, 10, 11]
+    assert pk.cu_seqlens.tolist() == [0, 3, 3, 6] and pk.cu_seqlens.dtype == torch.int32
+    assert (pk.max_seqlen, pk.batch, pk.seq_len) == (3, 3, 4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The whole encoder from a tiny HF BertModel
+# ----------------------------------------------------------------------------------------------------
+def _tiny_bert(initializer_range=0.02):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                  vocab_size=VOCAB, initializer_range=initializer_range)
+    return transformers.BertModel(cfg).eval()
+
+
+def _calib():
+    return [u.random_batch(4, 32, vocab=VOCAB, lengths=[32, 20, 9, 32]) for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """{init: (model, {mode: encoder})} with max calibration."""
+    pytest.importorskip("transformers")
+    out = {}
+    for init in (0.02, 0.1):
+        torch.manual_seed(1234)
+        model = _tiny_bert(init)
+        calib = _calib()
+        out[init] = (model, {mode: Int8Encoder.from_hf(model, calib, mode=mode, calibrator="max") for mode in (1, 2)})
+    return out
+
+
+# (sequence length, per-sequence lengths): full, partially padded and fully padded sequences
+SEQ_CASES = {1: [1, 0, 1], 31: [31, 7, 0], 32: [32, 17, 1]}
+
+
+@pytest.mark.parametrize("seq", sorted(SEQ_CASES))
+@pytest.mark.parametrize("mode", [1, 2])
+def test_encoder_triton_padding_removal_reference_and_hf(tiny, mode, seq):
+    model, encs = tiny[0.02]
+    e = encs[mode]
+    lengths = SEQ_CASES[seq]
+    ids, mask = u.random_batch(len(lengths), seq, vocab=VOCAB, lengths=lengths)
+    with ops.backend("triton"):
+        padded = e(ids, mask, remove_padding=False)
+        packed = e(ids, mask, remove_padding=True)
+    ref = e(ids, mask, remove_padding=False)  # CPU tensors: the fake-quant reference
+    v = mask.bool()
+    assert padded.shape == packed.shape == (len(lengths), seq, 64) and packed.dtype == torch.float16
+    assert torch.isfinite(padded).all() and torch.isfinite(packed).all()
+    # padding removal: identical to the padded path on valid tokens, zeros elsewhere
+    assert torch.equal(padded[v], packed[v])
+    assert int(packed[~v].abs().max()) == 0 if (~v).any() else True
+    # the kernels against the reference pipeline with the same scales
+    assert float(_cos(padded[v], ref[v]).min()) > 0.9999
+    assert float((padded[v].float() - ref[v].float()).abs().max()) < 0.05
+    # against the fp32 model
+    with torch.no_grad():
+        hf = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert float(_cos(padded[v], hf[v]).min()) > HF_COS_BOUND
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_encoder_layers_match_fp32_model(tiny, mode):
+    # initializer_range 0.1: the layers move the hidden states far from the embeddings, so closeness to
+    # the fp32 model checks the layers themselves (the embeddings alone would score a cosine ~0.45)
+    model, encs = tiny[0.1]
+    ids, mask = u.random_batch(3, 32, vocab=VOCAB, lengths=[32, 17, 5])
+    v = mask.bool()
+    with ops.backend("triton"):
+        out = encs[mode](ids, mask)
+    with torch.no_grad():
+        hf = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        emb = model.embeddings(input_ids=ids)
+    assert float(_cos(emb[v], hf[v]).min()) < 0.9  # the check discriminates
+    assert float(_cos(out[v], hf[v]).min()) > HF_COS_BOUND
+    rel = float((out[v].float() - hf[v]).norm() / hf[v].norm())
+    assert rel < HF_REL_ERR_BOUND, rel
+
+
+def test_encoder_seq127_packed_equals_padded(tiny):
+    _, encs = tiny[0.1]
+    ids, mask = u.random_batch(2, 127, vocab=VOCAB, lengths=[127, 40])
+    v = mask.bool()
+    with ops.backend("triton"):
+        padded = encs[1](ids, mask, remove_padding=False)
+        packed = encs[1](ids, mask, remove_padding=True)
+    assert torch.equal(padded[v], packed[v])
+
+
+def test_encoder_reference_packed_equals_padded_and_left_padding(tiny):
+    model, encs = tiny[0.1]
+    ids, mask = u.random_batch(3, 24, vocab=VOCAB, lengths=[24, 10, 3])
+    mask[1] = mask[1].flip(0)  # left padding: pack_mask takes valid tokens at any positions
+    v = mask.bool()
+    for mode in (1, 2):
+        padded = encs[mode](ids, mask, remove_padding=False)
+        packed = encs[mode](ids, mask, remove_padding=True)
+        assert torch.equal(padded[v], packed[v])
+        pk = pack_mask(mask)
+        again = encs[mode](ids, mask, packed=pk)
+        assert torch.equal(again, packed)
+
+
+def test_encoder_all_padding_batch(tiny):
+    _, encs = tiny[0.02]
+    ids, mask = u.random_batch(2, 8, vocab=VOCAB, lengths=[0, 0])
+    with ops.backend("triton"):
+        out = encs[1](ids, mask, remove_padding=True)
+        padded = encs[2](ids, mask, remove_padding=False)
+    assert out.shape == (2, 8, 64) and int(out.abs().max()) == 0
+    assert torch.isfinite(padded).all()
+
+
+def test_from_hf_default_calibrator_and_inputs():
+    # default calibrator (percentile), calibration batches as dicts / bare ids, BertModel wrapped in `.bert`
+    torch.manual_seed(7)
+    model = _tiny_bert(0.1)
+    ids, mask = u.random_batch(2, 16, vocab=VOCAB, lengths=[16, 9])
+    calib = [{"input_ids": ids, "attention_mask": mask}, ids]
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, bert):
+            super().__init__()
+            self.bert = bert
+
+    e = Int8Encoder.from_hf(Wrapper(model), calib, mode=2)
+    assert e.mode == 2 and e.calibrator == "percentile" and e.num_layers == 2
+    assert all(len(e.scales[name]) == 2 for name in ("q", "k", "v", "p", "ctx", "h", "f"))
+    assert len(e.scales["in"]) == 3 and all(s > 0 for s in e.scales["in"])
+    out = e(ids, mask)
+    v = mask.bool()
+    with torch.no_grad():
+        hf = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert float(_cos(out[v], hf[v]).min()) > HF_COS_BOUND
+    # int8 weights, per output channel scales
+    assert e.l0_qkv_w.dtype == torch.int8 and e.l0_qkv_w.shape == (192, 64) and e.l0_qkv_ws.shape == (192,)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bad arguments
+# ----------------------------------------------------------------------------------------------------
+def _bad_config_bert(**overrides):
+    transformers = pytest.importorskip("transformers")
+    kw = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB)
+    kw.update(overrides)
+    return transformers.BertModel(transformers.BertConfig(**kw)).eval()
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        (dict(mode=3), ["mode", "3"]),
+        (dict(mode=0), ["mode", "0"]),
+        (dict(calibrator="minmax"), ["calibrator", "minmax"]),
+    ],
+)
+def test_from_hf_bad_arguments(tiny, kwargs, words):
+    model, _ = tiny[0.02]
+    with pytest.raises(ValueError) as info:
+        Int8Encoder.from_hf(model, _calib(), **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_from_hf_no_calibration_batches(tiny):
+    model, _ = tiny[0.02]
+    with pytest.raises(ValueError, match="calibration_batches"):
+        Int8Encoder.from_hf(model, [], calibrator="max")
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (dict(hidden_act="relu"), ["hidden_act", "relu"]),
+        (dict(hidden_size=48, num_attention_heads=4), ["head size", "12"]),
+        (dict(hidden_size=64, num_attention_heads=8), ["head size", "8"]),
+    ],
+)
+def test_from_hf_unsupported_models(overrides, words):
+    model = _bad_config_bert(**overrides)
+    with pytest.raises(ValueError) as info:
+        Int8Encoder.from_hf(model, _calib(), calibrator="max")
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_forward_bad_arguments(tiny):
+    _, encs = tiny[0.02]
+    e = encs[1]
+    ids, mask = u.random_batch(2, 8, vocab=VOCAB)
+    with pytest.raises(ValueError, match="input_ids"):
+        e(ids[0], mask[0])
+    with pytest.raises(ValueError, match="input_ids"):
+        e(ids.tolist(), mask)
+    with pytest.raises(ValueError, match="attention_mask"):
+        e(ids, mask[:, :4])
+
+
+@pytest.mark.parametrize(
+    "call,words",
+    [
+        (lambda a, w, s, b: ke.int8_gemm(a, w, 0.02, s, b, "relu"), ["epilogue", "relu"]),
+        (lambda a, w, s, b: ke.int8_gemm(a.float(), w, 0.02, s, b, "residual"), ["a", "int8"]),
+        (lambda a, w, s, b: ke.int8_gemm(a, w[:, :32], 0.02, s, b, "residual"), ["a, w", "K"]),
+        (lambda a, w, s, b: ke.int8_gemm(a, w, 0.02, s, b, "requant"), ["out_scale", "requant"]),
+        (lambda a, w, s, b: ke.int8_gemm(a, w, 0.02, s, b, "qkv", out_scale=s, heads=4, head_dim=16),
+         ["qkv", "192"]),
+    ],
+)
+def test_gemm_bad_arguments(call, words):
+    a, w = u.int8(4, 64), u.int8(96, 64)
+    s, b = torch.rand(96) * 0.01, torch.randn(96)
+    with pytest.raises(ValueError) as info:
+        with ops.backend("triton"):
+            call(a, w, s, b)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
