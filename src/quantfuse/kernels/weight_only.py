@@ -151,10 +151,12 @@ def _wo_mm_kernel(
             else:
                 acc += tl.dot(w, xt)
 
-    out_offs = offs_m[None, :] * stride_om + offs_n[:, None]
+    # int64 row offsets: M * N can pass 2^31 (e.g. a large-vocabulary head at prefill on the fused path)
+    rows64 = offs_m.to(tl.int64)[None, :]
+    out_offs = rows64 * stride_om + offs_n[:, None]
     out_mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT:
-        part = part_ptr + pid_s.to(tl.int64) * M * N + offs_m[None, :] * N + offs_n[:, None]
+        part = part_ptr + pid_s.to(tl.int64) * M * N + rows64 * N + offs_n[:, None]
         tl.store(part, acc, mask=out_mask)
     else:
         if HAS_BIAS:

@@ -1,0 +1,397 @@
+"""Weight-only INT4/INT8 GEMM on the GPU at full size (SPEC section 4).
+
+What is checked:
+- (a) The magic-number converter, exhaustively: every 4-bit and 8-bit code at every field position of the
+  interleaved word, against every zero point 0 .. 2^bits (GPTQ v1 reaches 2^bits) and the implicit
+  symmetric one, fp16 and bf16. With unit scales the pre-scale value u - z must come out exactly, both
+  from the dequantize kernel and through the fused GEMM (x = rows of the identity, so every output is one
+  exact product and exact zeros, split-K included). With random scales and every group size the dequantize
+  kernel must equal the reference bit for bit (one rounding of float32 (u - z) * s, no fused multiply-add),
+  and the fused GEMM on identity rows must equal w_hat bit for bit on every tile path.
+- (b) The GEMM against the float32 reference ref = x.float() @ w_hat.float().T (+ bias), with
+  w_hat = qw.dequantize(x.dtype) and TF32 off. Stated bound, per output element:
+
+      |y - ref| <= 2^-7  * ((|x| @ |w_hat|.T) + |bias|)             for bfloat16
+      |y - ref| <= 2^-10 * ((|x| @ |w_hat|.T) + |bias|) + 2^-24     for float16 (2^-24: fp16 subnormal spacing)
+
+  i.e. one rounding of the output (2^-8 / 2^-11 relative, and |ref| <= |x| @ |w_hat|) plus room for the
+  float32 tensor-core accumulation (and, for M >= cublas_min_m, cuBLAS's reduced-precision split-K
+  reduction, which torch allows by default for bf16/fp16). Each test prints the worst err / bound and, for
+  information only, the worst err / (u |ref| + 2^-20 |x| @ |w_hat|), the tighter bound the CPU
+  (interpreter) tests assert. The weights have a random power-of-two magnitude per 128-column block, so
+  a wrong group index or zero point would blow the bound by orders of magnitude.
+  Coverage (not the full cross product, to stay well under a minute on an H100): every
+  M in {1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 65, 128, 1024} on Llama-3-8B's 4096 x 6144, the
+  quantization scheme (int4 g128 symmetric, int4 g128 asymmetric, int8 per-channel) and dtype rotating;
+  every other Llama-3-8B/70B shape and the odd shapes (K = 10944, 7392, 192; N = 100, 257) with 2-3 Ms
+  each reaching the decode (split-K), tiled and dequantize + cuBLAS paths; the fused tiled kernel forced
+  at M = 1024.
+- (c) bias, 3-D x, padded-row x, NaN isolation between rows, act-order (GPTQ g_idx), CUDA graph capture
+  and torch.compile(fullgraph=True) of a function calling quantfuse.weight_only_mm.
+
+Set $OUT to also get weight_only_gpu_bounds.json with every case's worst ratios.
+"""
+
+import contextlib
+import json
+import os
+
+import pytest
+import torch
+
+import quantfuse as qf
+from quantfuse import reference as ref
+from quantfuse.kernels import weight_only as kw
+from quantfuse.weights import QuantizedWeight
+
+pytestmark = pytest.mark.gpu
+
+BF16, FP16 = torch.bfloat16, torch.float16
+DEV = "cuda"
+REL = {BF16: 2.0**-7, FP16: 2.0**-10}
+ABS = {BF16: 0.0, FP16: 2.0**-24}
+UNIT = {BF16: 2.0**-8, FP16: 2.0**-11}
+
+# (name, bits, group_size, symmetric)
+SCHEMES = [("w4g128s", 4, 128, True), ("w4g128a", 4, 128, False), ("w8pc", 8, -1, True)]
+DTYPES = [BF16, FP16]
+M_ALL = [1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 65, 128, 1024]
+SWEEP_KN = (4096, 6144)
+# (K, N, Ms): every other Llama-3-8B/70B linear shape and the odd ones, a few Ms each
+SHAPE_CASES = [
+    (4096, 4096, [1, 33, 1024]),
+    (4096, 28672, [2, 128]),
+    (14336, 4096, [16, 65]),
+    (8192, 10240, [7, 1024]),
+    (28672, 8192, [1, 32, 1024]),
+    (10944, 100, [1, 17, 1024]),
+    (7392, 257, [3, 64, 1024]),
+    (192, 100, [1, 31]),
+    (192, 257, [8, 128]),
+    (10944, 4096, [15, 1024]),
+]
+
+_RESULTS = []  # (case id, worst ratio to the stated bound, worst ratio to the tight informational bound)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    if not _RESULTS:
+        return
+    worst = max(_RESULTS, key=lambda r: r[1])
+    print(f"\nweight_only GEMM: {len(_RESULTS)} cases, worst err/bound {worst[1]:.3g} ({worst[0]}); "
+          f"worst err/tight {max(r[2] for r in _RESULTS):.3g}")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "weight_only_gpu_bounds.json"), "w") as f:
+            json.dump([dict(case=c, ratio=r, tight_ratio=t) for c, r, t in _RESULTS], f, indent=1)
+
+
+@contextlib.contextmanager
+def _fp32_highest():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _weight(n, k):
+    """Random [N, K] float32 weight with a random power-of-two magnitude (2^-3 .. 2^3) per 128 columns."""
+    blocks = -(-k // 128)
+    mag = torch.exp2(torch.randint(-3, 4, (n, blocks), device=DEV).float()).repeat_interleave(128, dim=1)[:, :k]
+    return torch.randn(n, k, device=DEV) * mag
+
+
+def assert_gemm_within_bound(y, x, w_hat, bias=None, label=""):
+    """The stated per-element bound (module docstring); returns the worst ratio."""
+    k = x.shape[-1]
+    dtype = y.dtype
+    xf, wf = x.reshape(-1, k).float(), w_hat.float()
+    with _fp32_highest():
+        want = xf @ wf.t()
+        mag = xf.abs() @ wf.abs().t()
+    if bias is not None:
+        want = want + bias.float()
+        mag = mag + bias.float().abs()
+    got = y.float().reshape(want.shape)
+    err = (got - want).abs()
+    bound = REL[dtype] * mag + ABS[dtype] + 1e-30
+    ratio = float((err / bound).max())
+    tight = float((err / (UNIT[dtype] * want.abs() + 2.0**-20 * mag + ABS[dtype] + 1e-30)).max())
+    print(f"{label}: worst err/bound {ratio:.3g} (err/tight {tight:.3g})")
+    _RESULTS.append((label, ratio, tight))
+    assert ratio <= 1.0, f"{label}: max error {float(err.max())} exceeds the bound (ratio {ratio})"
+    return ratio
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.dtype in (FP16, BF16) else t
+
+
+def assert_bitwise_equal(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    diff = _bits(a) != _bits(b)
+    assert not bool(diff.any()), f"{int(diff.sum())} of {diff.numel()} differ; first {torch.nonzero(diff)[:4].tolist()}"
+
+
+def _tiles():
+    return kw._table(torch.device(DEV))["tiles"]
+
+
+def _gemm_identity_rows(qw, dtype, tile):
+    """y = eye(K) @ w_hat.T through the fused kernel with `tile`, in row blocks of at most 1024:
+    every output element is one exact product plus exact zeros, so y must equal w_hat.T exactly."""
+    n, k = qw.shape
+    eye = torch.eye(k, device=DEV, dtype=dtype)
+    step = tile["block_m"] if tile["max_m"] <= 64 else 1024
+    outs = []
+    for m0 in range(0, k, step):
+        x = eye[m0 : m0 + step]
+        outs.append(kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, None, qw.bits, qw.group_size, n, tile=tile))
+    return torch.cat(outs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# (a) converter exactness
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_converter_exhaustive_codes_and_zero_points_gpu(bits, dtype):
+    per = 32 // bits
+    top = 2**bits
+    # k = chunk * 16 * per + 16 * i + j, code = (chunk * 16 + j) % top: every code lands on every field i
+    chunks = max(1, top // 16)
+    k = chunks * 16 * per
+    kk = torch.arange(k, device=DEV)
+    chunk_idx, rem = kk // (16 * per), kk % (16 * per)
+    code = (chunk_idx * 16 + rem % 16) % top
+    n = top + 1  # zero points 0 .. 2^bits
+    u = code.to(torch.int32).expand(n, k).contiguous()
+    zeros = torch.arange(n, dtype=torch.int32, device=DEV).view(1, n)
+    # every (code, field) pair occurs
+    fields = (kk % (16 * per)) // 16
+    assert torch.unique(code * per + fields).numel() == top * per
+    qw = QuantizedWeight.from_codes(u, torch.ones(1, n, device=DEV), zeros, bits, -1)
+    assert qw.device.type == torch.device(DEV).type
+    diff = u - zeros.t()
+    expected = diff.to(dtype)
+    assert torch.equal(expected.float(), diff.float())  # every u - z is representable: exactness is testable
+    # the dequantize kernel
+    assert_bitwise_equal(qw.dequantize(dtype), expected)
+    # the symmetric path (implicit zero point 2^(bits-1))
+    sym = QuantizedWeight.from_codes(u[:1].contiguous(), torch.ones(1, 1, device=DEV), None, bits, -1)
+    assert_bitwise_equal(sym.dequantize(dtype), (u[:1] - top // 2).to(dtype))
+    # the converter inside the fused GEMM: decode (split-K) tile and the largest tile
+    for tile in (_tiles()[0], _tiles()[-1]):
+        y = _gemm_identity_rows(qw, dtype, tile)
+        assert y.dtype == dtype and y.shape == (k, n)
+        assert torch.equal(y.float(), diff.t().float()), f"tile {tile}"
+        y_sym = _gemm_identity_rows(sym, dtype, tile)
+        assert torch.equal(y_sym.float(), (u[:1] - top // 2).t().float()), f"tile {tile} (symmetric)"
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (4, 128), (4, 256), (4, -1), (8, 64), (8, 128), (8, -1)])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_dequantize_kernel_bitwise_vs_reference_gpu(bits, group_size, symmetric):
+    n, k = 333, 1000  # partial last chunk and (for most group sizes) a partial last group
+    qw = qf.quantize_weight(_weight(n, k), bits=bits, group_size=group_size, symmetric=symmetric)
+    u, z = qw.biased_codes(), qw.zero_points()
+    for dtype in DTYPES:
+        want = ref.dequantize_weight(u.cpu(), qw.scales.cpu(), z.cpu(), group_size, dtype)
+        assert_bitwise_equal(qw.dequantize(dtype).cpu(), want)
+
+
+# (bits, group_size, symmetric, dtype, tile indices into the sm90 table)
+IDENTITY_CASES = [
+    (4, 32, False, FP16, (0, 1)),
+    (4, 128, True, BF16, (2, 3)),
+    (8, 64, False, BF16, (0, 3)),
+    (8, -1, True, FP16, (1, 2)),
+    (4, 256, False, BF16, (0, 3)),
+]
+
+
+@pytest.mark.parametrize("case", IDENTITY_CASES, ids=lambda c: f"w{c[0]}g{c[1]}{'s' if c[2] else 'a'}-{str(c[3])[6:]}")
+def test_fused_gemm_identity_rows_bitwise(case):
+    """The packed layout, group indexing and zero points through every fused tile path, bit for bit."""
+    bits, group_size, symmetric, dtype, tile_ids = case
+    n, k = 257, 1000
+    qw = qf.quantize_weight(_weight(n, k), bits=bits, group_size=group_size, symmetric=symmetric)
+    w_hat = qw.dequantize(dtype)
+    tiles = _tiles()
+    for t in tile_ids:
+        tile = tiles[min(t, len(tiles) - 1)]
+        y = _gemm_identity_rows(qw, dtype, tile)
+        assert torch.equal(y.float(), w_hat.t().float()), f"tile {tile}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# (b) GEMM vs the float32 reference
+# ---------------------------------------------------------------------------------------------------
+def _sweep_cases():
+    cases = []
+    k, n = SWEEP_KN
+    for i, m in enumerate(M_ALL):
+        cases.append((m, k, n, SCHEMES[i % 3], DTYPES[(i // 3) % 2], i % 4 == 1))
+    j = 0
+    for k, n, ms in SHAPE_CASES:
+        for m in ms:
+            cases.append((m, k, n, SCHEMES[j % 3], DTYPES[(j // 3) % 2], j % 3 == 2))
+            j += 1
+    return cases
+
+
+def _case_id(c):
+    m, k, n, scheme, dtype, bias = c
+    return f"M{m}-K{k}-N{n}-{scheme[0]}-{str(dtype)[6:]}{'-bias' if bias else ''}"
+
+
+@pytest.mark.parametrize("case", _sweep_cases(), ids=_case_id)
+def test_gemm_vs_fp32_reference(case):
+    m, k, n, (name, bits, group_size, symmetric), dtype, has_bias = case
+    qw = qf.quantize_weight(_weight(n, k), bits=bits, group_size=group_size, symmetric=symmetric)
+    x = torch.randn(m, k, device=DEV).to(dtype)
+    bias = torch.randn(n, device=DEV).to(dtype) if has_bias else None
+    y = qf.weight_only_mm(x, qw, bias)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert bool(torch.isfinite(y).all())
+    assert_gemm_within_bound(y, x, qw.dequantize(dtype), bias, _case_id(case))
+
+
+@pytest.mark.parametrize("k,n,scheme,dtype", [(4096, 6144, SCHEMES[0], BF16), (7392, 257, SCHEMES[1], FP16),
+                                              (8192, 10240, SCHEMES[2], BF16)],
+                         ids=["K4096-N6144-w4g128s-bf16", "K7392-N257-w4g128a-fp16", "K8192-N10240-w8pc-bf16"])
+def test_fused_tiled_kernel_forced_large_m(k, n, scheme, dtype):
+    """M >= cublas_min_m normally dequantizes once and calls cuBLAS; the fused tiled kernel must still be
+    right there (it is the path on other architectures and what the benchmark compares against)."""
+    name, bits, group_size, symmetric = scheme
+    m = 1024
+    qw = qf.quantize_weight(_weight(n, k), bits=bits, group_size=group_size, symmetric=symmetric)
+    x = torch.randn(m, k, device=DEV).to(dtype)
+    bias = torch.randn(n, device=DEV).to(dtype)
+    y = kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, bias, bits, group_size, n)
+    assert_gemm_within_bound(y, x, qw.dequantize(dtype), bias, f"fused-M{m}-K{k}-N{n}-{name}-{str(dtype)[6:]}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# (c) bias, 3-D and padded-row x, NaN isolation, act-order, CUDA graphs, torch.compile
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lead", [(2, 3), (4, 19), (3, 100)], ids=["split-k", "tiled", "cublas"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_bias_3d_padded_rows_and_nan_isolation(lead, dtype):
+    k, n = 4096, 6144
+    qw = qf.quantize_weight(_weight(n, k), bits=4, group_size=128, symmetric=False)
+    base = torch.randn(*lead, k + 64, device=DEV).to(dtype)
+    x = base[..., 16 : 16 + k]  # padded rows (row stride k + 64), not contiguous
+    assert not x.is_contiguous()
+    bias = torch.randn(n, device=DEV).to(dtype)
+    y = qf.weight_only_mm(x, qw, bias)
+    assert y.shape == (*lead, n) and y.dtype == dtype and y.is_contiguous()
+    w_hat = qw.dequantize(dtype)
+    assert_gemm_within_bound(y, x, w_hat, bias, f"3d-padded-{lead}-{str(dtype)[6:]}")
+    m = lead[0] * lead[1]
+    fused = m < kw._table(torch.device(DEV))["cublas_min_m"]
+    if fused:  # same kernel, same values: the row stride cannot change a bit
+        assert torch.equal(y, qf.weight_only_mm(x.contiguous(), qw, bias))
+    x_bad = x.clone()
+    x_bad[0, 1, 5] = float("nan")
+    x_bad[-1, -1, 7] = float("inf")
+    y_bad = qf.weight_only_mm(x_bad, qw, bias)
+    clean = torch.ones(lead, dtype=torch.bool, device=DEV)
+    clean[0, 1] = clean[-1, -1] = False
+    if fused:
+        assert torch.equal(y_bad[clean], y[clean])
+    else:
+        assert_gemm_within_bound(y_bad[clean], x[clean], w_hat, bias, f"nan-clean-rows-{lead}")
+    assert not bool(torch.isfinite(y_bad[0, 1]).all())
+    assert not bool(torch.isfinite(y_bad[-1, -1]).all())
+
+
+def _pack_along_k(codes, bits):
+    """GPTQ qweight: codes [K, N] -> int32 [K / per, N], field i of word c = row c * per + i."""
+    per = 32 // bits
+    c = codes.to(torch.int64).view(-1, per, codes.shape[1])
+    shifts = (torch.arange(per, device=codes.device, dtype=torch.int64) * bits).view(1, per, 1)
+    w = (c << shifts).sum(1)
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
+def test_gptq_act_order_on_gpu():
+    k, n, gs, bits = 4096, 1024, 128, 4
+    groups = k // gs
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, device=DEV)
+    z = torch.randint(1, 17, (groups, n), dtype=torch.int32, device=DEV)  # v1 stores z - 1
+    s = (torch.rand(groups, n, device=DEV) * 0.1 + 0.01).half()
+    g_idx = (torch.randperm(k, device=DEV) // gs).to(torch.int32)
+    qweight = _pack_along_k(q.t().contiguous(), bits)
+    qzeros = _pack_along_k((z - 1).t().contiguous(), bits).t().contiguous()  # [G, N / 8] packed along N
+    qw = QuantizedWeight.from_gptq(qweight, qzeros, s, g_idx=g_idx, bits=bits)
+    assert qw.perm is not None
+    gi = g_idx.long()
+    expected = (q - z.t()[:, gi]).float() * s.float().t()[:, gi]
+    for dtype in DTYPES:
+        assert_bitwise_equal(qw.dequantize(dtype), expected.to(dtype))
+    for m in (3, 40):
+        x = torch.randn(m, k, device=DEV).half()
+        assert_gemm_within_bound(qf.weight_only_mm(x, qw), x, expected.half(), None, f"gptq-act-order-M{m}")
+
+
+def test_cuda_graph_capture():
+    k, n = 4096, 6144
+    qw4 = qf.quantize_weight(_weight(n, k), bits=4, group_size=128, symmetric=False)
+    qw8 = qf.quantize_weight(_weight(n, k), bits=8, group_size=-1, symmetric=True)
+    bias = torch.randn(n, device=DEV).to(BF16)
+    # (M, weight, bias): split-K, split-K, tiled, dequantize + cuBLAS (sm90)
+    cases = [(1, qw4, bias), (16, qw8, None), (48, qw4, None), (300, qw8, bias)]
+
+    def f(xs):
+        return [qf.weight_only_mm(x, qw, b) for x, (_, qw, b) in zip(xs, cases)]
+
+    static = [torch.randn(m, k, device=DEV).to(BF16) for m, _, _ in cases]
+    f(static)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = f(static)
+    new = [torch.randn(m, k, device=DEV).to(BF16) for m, _, _ in cases]
+    for s_, t in zip(static, new):
+        s_.copy_(t)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = f(new)
+    cublas_min_m = kw._table(torch.device(DEV))["cublas_min_m"]
+    for (m, qw, b), x, got, want in zip(cases, new, captured, eager):
+        if m < cublas_min_m:  # the fused kernels: the replay is the same launch on the same values
+            assert torch.equal(got, want), f"M={m}"
+        assert_gemm_within_bound(got, x, qw.dequantize(BF16), b, f"graph-M{m}")
+
+
+def test_torch_compile_fullgraph():
+    k, n = 4096, 4096
+    qw4 = qf.quantize_weight(_weight(n, k), bits=4, group_size=128, symmetric=True)
+    qw8 = qf.quantize_weight(_weight(n, k), bits=8, group_size=-1, symmetric=False)
+    bias = torch.randn(n, device=DEV).to(BF16)
+
+    def f(x1, x2, x3):
+        y1 = qf.weight_only_mm(x1, qw4, bias)
+        y2 = qf.weight_only_mm(x2, qw8)
+        y3 = qf.weight_only_mm(x3, qw4)
+        return y1, y2, y3, torch.nn.functional.silu(y1.float()).sum(-1)
+
+    x1 = torch.randn(1, k, device=DEV).to(BF16)
+    x2 = torch.randn(2, 20, k, device=DEV).to(BF16)
+    x3 = torch.randn(300, k, device=DEV).to(BF16)
+    eager = f(x1, x2, x3)
+    compiled = torch.compile(f, fullgraph=True)
+    got = compiled(x1, x2, x3)
+    for a, b in zip(got[:2], eager[:2]):  # the fused kernels: identical launches, identical bits
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert got[2].shape == eager[2].shape
+    assert_gemm_within_bound(got[2], x3, qw4.dequantize(BF16), None, "compile-M300")
+    torch.testing.assert_close(got[3], eager[3], rtol=1e-4, atol=1e-2)
+    # a second call with new data reuses the compiled graph
+    x1b = torch.randn(1, k, device=DEV).to(BF16)
+    assert torch.equal(compiled(x1b, x2, x3)[0], qf.weight_only_mm(x1b, qw4, bias))
