@@ -1,0 +1,102 @@
+"""A Llama-3-8B-shaped decoder layer (transformers' LlamaDecoderLayer, random weights) in bf16 vs each
+quantfuse scheme (issue 6): decode (batch 1 and 16, one new token per sequence, no KV cache) and prefill
+(2048 tokens), timed for the whole layer and for its seven linear layers alone.
+
+Peers in the same run: the bf16 layer (F.linear through cuBLAS). CUDA graphs for the decode shapes
+(launch overhead excluded, as in a graph-captured engine); prefill eager. Layer weights (~436 MB in
+bf16) are far larger than L2, so every call streams them from HBM; activations rotate.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import print_table, time_ms, write_result  # noqa: E402
+
+import quantfuse as qf  # noqa: E402
+
+HIDDEN, INTER, HEADS, KV_HEADS = 4096, 14336, 32, 8
+SCHEMES = {
+    "int8_dynamic": lambda: qf.Int8DynamicConfig(),
+    "fp8_dynamic": lambda: qf.Fp8DynamicConfig(),
+    "fp8_block": lambda: qf.Fp8BlockConfig(),
+    "int4_weight_only": lambda: qf.Int4WeightOnlyConfig(group_size=128),
+    "int8_weight_only": lambda: qf.Int8WeightOnlyConfig(),
+}
+TOKENS = [("decode_b1", 1), ("decode_b16", 16), ("prefill_2048", 2048)]
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def build_layer():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=HEADS,
+                      num_key_value_heads=KV_HEADS, num_hidden_layers=1, max_position_embeddings=4096)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(cfg, layer_idx=0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    return layer.to("cuda", torch.bfloat16).eval(), LlamaRotaryEmbedding(cfg).to("cuda")
+
+
+def layer_fn(layer, rope):
+    def run(x, pos):
+        cos_sin = rope(x, pos)
+        out = layer(x, position_embeddings=cos_sin, position_ids=pos, attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out
+    return run
+
+
+def main():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    base, rope = build_layer()
+    layers = {"bf16": base}
+    for scheme, make in SCHEMES.items():
+        q = copy.deepcopy(base)
+        qf.quantize_(q, make(), progress=False)
+        layers[scheme] = q
+    rows = []
+    for label, tokens in TOKENS:
+        b, s = (tokens, 1) if label.startswith("decode") else (1, tokens)
+        inputs = [(torch.randn(b, s, HIDDEN, device="cuda", dtype=torch.bfloat16),
+                   torch.arange(s, device="cuda").unsqueeze(0).expand(b, s)) for _ in range(4)]
+        lin_inputs = [(torch.randn(b, s, HIDDEN, device="cuda", dtype=torch.bfloat16),
+                       torch.randn(b, s, INTER, device="cuda", dtype=torch.bfloat16)) for _ in range(4)]
+        graph = label.startswith("decode")
+        times = {}
+        for name, layer in layers.items():
+            lin = {}
+            mods = dict(layer.named_modules())
+            if all(n in mods for n in LINEARS) and all(hasattr(mods[n], "forward") for n in LINEARS):
+                lin_t = time_ms(lambda x, xi, _m=mods: [_m[n](xi if n.endswith("down_proj") else x) for n in LINEARS],
+                                lin_inputs, graph=graph)
+            else:  # fused gated MLP (fp8_block): its projections are one module
+                lin_t = float("nan")
+            with torch.no_grad():
+                layer_t = time_ms(layer_fn(layer, rope), inputs, graph=graph)
+            times[name] = (layer_t, lin_t)
+        for name, (layer_t, lin_t) in times.items():
+            base_layer, base_lin = times["bf16"]
+            rows.append(dict(shape=label, tokens=tokens, scheme=name, layer_us=layer_t * 1e3, linears_us=lin_t * 1e3,
+                             layer_speedup=base_layer / layer_t,
+                             linears_speedup=(base_lin / lin_t) if lin_t == lin_t else float("nan")))
+            print(rows[-1], flush=True)
+    print_table(rows)
+    write_result("model_layer", "Llama-3-8B decoder layer: bf16 vs quantfuse schemes (H100)", rows,
+                 notes="Decode: batch b, one token per sequence, no KV cache, CUDA graphs. Prefill: 2048 tokens, "
+                       "eager. linears = the seven projections alone (fp8_block fuses the MLP, so n/a there).")
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        main()
