@@ -4,8 +4,13 @@ import torch
 
 
 def codes(q: torch.Tensor) -> torch.Tensor:
-    """Integer view of int8 / fp8 codes, for exact comparisons (fp8 NaN != NaN otherwise)."""
-    return q.view(torch.uint8).to(torch.int32) if q.dtype == torch.float8_e4m3fn else q.to(torch.int32)
+    """Integer view of int8 / fp8 codes, for exact comparisons (fp8 NaN != NaN otherwise). fp8 -0 (0x80)
+    reads as +0: the same value, and a product rounding to zero may carry either sign (hardware and
+    reference differ there for y = silu(gate) * up underflowing)."""
+    if q.dtype != torch.float8_e4m3fn:
+        return q.to(torch.int32)
+    c = q.view(torch.uint8).to(torch.int32)
+    return torch.where(c == 0x80, torch.zeros_like(c), c)
 
 
 def assert_codes_equal(actual: torch.Tensor, expected: torch.Tensor, tie_rate: float = 0.0) -> None:

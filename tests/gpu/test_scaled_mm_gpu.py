@@ -2,12 +2,15 @@
 
 Error bounds (stated, per element, against the float32 reference computed from the same quantized ints):
 - int8: the int32 accumulator is exact, so the only error is the final rounding (half an ulp of the
-  output type, relative) plus float32 epilogue rounding:
-      |out - ref| <= 2^-8 |ref| + 2^-20 (|s_a s_b acc| + |bias|)        (bf16; 2^-11 for fp16, 2^-22 for fp32)
-- fp8: additionally the float32 (tensor-core) accumulation order:
-      |out - ref| <= 2^-8 |ref| + 2^-12 s_a s_b (|a| @ |b|) + 2^-20 |bias|
+  output type, relative, or half the smallest fp16 subnormal near zero) plus float32 epilogue rounding:
+      |out - ref| <= 2^-8 |ref| + 2^-20 (|s_a s_b acc| + |bias|)        (bf16; 2^-11 + 2^-25 for fp16, 2^-22 for fp32)
+- fp8: additionally the tensor-core accumulation. Hopper's fp8 wgmma accumulates with fewer than 24
+  mantissa bits (about 14, as the DeepSeek-V3 report measured; cuBLAS's use_fast_accum=True is the
+  same), so the accumulation term is 2^-10, not float32's 2^-12 (2^-12 was exceeded 2.7x on the H100):
+      |out - ref| <= 2^-8 |ref| + 2^-10 s_a s_b (|a| @ |b|) + 2^-20 |bias|
 - zero-point epilogues: exact in int32 before scaling (unit scales, fp32 out, compared to int64 math).
-- blockwise fp8: mean|out - ref| / mean|ref| < 1e-3.
+- blockwise fp8: mean|out - ref| / mean|ref| < 1e-3 with float32 output (the GEMM's own error: bf16
+  rounding alone is ~1e-3 on average), and the bf16 output within one bf16 rounding of the fp32 one.
 The tests print the worst observed error relative to each bound.
 """
 
@@ -27,6 +30,7 @@ KN_GRID = [
     (3420, 1280), (255, 513), (971, 1024), (20486, 128),
 ]
 REL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-22}
+FP8_ACC_REL = 2.0**-10
 
 
 def _operands(m, k, n, dtype, device="cuda"):
@@ -53,9 +57,11 @@ def assert_within_bound(out, a, b, sa, sb, bias, azp_adj=None, azp=None):
     bias_abs = bias.float().abs().reshape(1, n) if bias is not None else 0.0
     unbiased = (want - (bias.float().reshape(1, n) if bias is not None else 0.0)).abs()
     bound = REL[out.dtype] * want.abs() + 2.0**-20 * (unbiased + bias_abs)
+    if out.dtype == torch.float16:
+        bound = bound + 2.0**-25  # fp16 subnormals: absolute spacing 2^-24 below 2^-14
     if a.dtype == FP8:
         abs_dot = (a.reshape(m, -1).double().abs() @ b.double().abs()).float()
-        bound = bound + 2.0**-12 * s.abs() * abs_dot
+        bound = bound + FP8_ACC_REL * s.abs() * abs_dot
     ratio = float(((got - want).abs() / bound.clamp_min(1e-30)).max())
     print(f"worst error / bound = {ratio:.3g}")
     assert ratio <= 1.0, ratio
@@ -174,11 +180,14 @@ def _block_operands(m, k, n, transposed_scales):
 def test_blockwise(m, k, n, transposed_scales):
     a, b, sa, sb = _block_operands(m, k, n, transposed_scales)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    out = qf.scaled_mm_blockwise(a, b, sa, sb, torch.bfloat16, bias)
+    out32 = qf.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
     want = ref.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
-    rel = float((out.float() - want).abs().mean() / want.abs().mean())
+    rel = float((out32 - want).abs().mean() / want.abs().mean())
     print(f"blockwise mean rel error {rel:.3g}")
     assert rel < 1e-3
+    out = qf.scaled_mm_blockwise(a, b, sa, sb, torch.bfloat16, bias)
+    assert out.dtype == torch.bfloat16
+    assert bool(((out.float() - out32).abs() <= 2.0**-8 * out32.abs() + 1e-30).all())
 
 
 def test_torch_compile_fullgraph_and_cuda_graph():

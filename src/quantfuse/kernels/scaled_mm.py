@@ -146,15 +146,28 @@ def _tile_coords(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
+def _fp8_upcast_interp(x):
+    """Exact fp8-e4m3fn -> float32 under the interpreter, whose own cast reads the NaN codes 0x7f / 0xff
+    as +-480 (e4m3 without NaN); every other code it converts exactly."""
+    bits = x.to(tl.uint8, bitcast=True)
+    nan = tl.full(x.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where((bits & 0x7F) == 0x7F, nan, x.to(tl.float32))
+
+
+@triton.jit
 def _load_operand(ptrs, k_ok, EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, INTERPRET: tl.constexpr):
     """Load an int8/fp8 tile; masked-off K lanes read as 0. Under the interpreter fp8 comes back as its
     float32 upcast (the interpreter cannot cast `other=0` to fp8), which the dot consumes exactly."""
     if EVEN_K:
         x = tl.load(ptrs)
         if IS_FP8 and INTERPRET:
-            x = x.to(tl.float32)
+            x = _fp8_upcast_interp(x)
     elif IS_FP8 and INTERPRET:
-        x = tl.where(k_ok, tl.load(ptrs, mask=k_ok).to(tl.float32), 0.0)
+        x = tl.where(k_ok, _fp8_upcast_interp(tl.load(ptrs, mask=k_ok)), 0.0)
+    elif IS_FP8:
+        # `other=0` cannot be cast to fp8 by the compiler: zero the masked lanes through the bits
+        bits = tl.load(ptrs, mask=k_ok).to(tl.int8, bitcast=True)
+        x = tl.where(k_ok, bits, tl.zeros_like(bits)).to(tl.float8e4nv, bitcast=True)
     else:
         x = tl.load(ptrs, mask=k_ok, other=0)
     return x
