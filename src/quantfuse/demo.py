@@ -125,12 +125,27 @@ def latency_ms(model, batch: dict, repeats: int = 5, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def _config(scheme: str, calibrator: str = "max"):
+def _config(scheme: str, calibrator: str = "max", algorithm: str = "gptq"):
+    """The demo's config of a scheme: static INT8 with a per-tensor zero point (asymmetric: BERT's
+    post-GELU and attention inputs are far from symmetric), INT4 weight-only with GPTQ (g128)."""
     from .quantize_api import config_for_scheme
 
     if scheme == "int8_static":
-        return config_for_scheme(scheme, calibrator=calibrator)
+        return config_for_scheme(scheme, calibrator=calibrator, symmetric=False)
+    if scheme == "int4_weight_only":
+        return config_for_scheme(scheme, algorithm=algorithm)
     return config_for_scheme(scheme)
+
+
+def _quantize(model, config, batches, progress: bool):
+    """quantize_ with user-fixable problems (an unsupported layer, an impossible shape) as DemoError."""
+    from .quantize_api import quantize_
+
+    data = batches if config.needs_calibration else None
+    try:
+        return quantize_(model, config, calibration_data=data, progress=progress)
+    except ValueError as err:
+        raise DemoError(f"cannot quantize this model with {config.scheme}: {err}") from err
 
 
 def run_demo(device: str = "cpu", model_dir: Optional[str] = None, schemes: Sequence[str] = SCHEMES,
@@ -139,7 +154,7 @@ def run_demo(device: str = "cpu", model_dir: Optional[str] = None, schemes: Sequ
              verbose: bool = True) -> List[Dict[str, object]]:
     """Run the demo; returns the rows (dicts with scheme, weight_mb, mean_cosine, min_cosine, latency_ms,
     speedup, and more), prints the table when `verbose`, writes the rows as JSON records to `json_path`."""
-    from .quantize_api import linear_weight_nbytes, quantize_
+    from .quantize_api import linear_weight_nbytes
 
     if device not in ("cpu", "cuda"):
         raise DemoError(f"--device: expected cpu or cuda, got {device!r}")
@@ -184,13 +199,22 @@ def run_demo(device: str = "cpu", model_dir: Optional[str] = None, schemes: Sequ
         if scheme == "int8_static":
             candidates = []
             for cal in calibrators:
-                m = quantize_(copy.deepcopy(base), _config(scheme, cal), calibration_data=batches, progress=progress)
+                m = _quantize(copy.deepcopy(base), _config(scheme, cal), batches, progress)
                 candidates.append(record(f"int8_static_{cal}", m, calibrator=cal, dtype=str(base_row["dtype"])))
                 del m
             best = max(candidates, key=lambda r: r["mean_cosine"])
             rows.append(dict(best, scheme="int8_static"))
             continue
-        m = quantize_(copy.deepcopy(base), _config(scheme), calibration_data=None, progress=progress)
+        if scheme == "int4_weight_only":
+            # plain round-to-nearest first, for comparison, then the GPTQ row that is the scheme's result
+            m = _quantize(copy.deepcopy(base), _config(scheme, algorithm="rtn"), batches, progress)
+            record("int4_weight_only_rtn", m, algorithm="rtn", dtype=str(base_row["dtype"]))
+            del m
+            m = _quantize(copy.deepcopy(base), _config(scheme), batches, progress)
+            record(scheme, m, algorithm="gptq", dtype=str(base_row["dtype"]))
+            del m
+            continue
+        m = _quantize(copy.deepcopy(base), _config(scheme), batches, progress)
         record(scheme, m, dtype=str(base_row["dtype"]))
         del m
 
@@ -214,6 +238,8 @@ def format_table(rows: List[Dict[str, object]], device: str, n_sentences: int) -
              f"(cosine vs fp32 embeddings; weight MB = linear layers)", header, "-" * len(header)]
     for r in rows:
         name = r["scheme"] + (f" ({r['calibrator']})" if r["scheme"] == "int8_static" else "")
+        if r["scheme"] == "int4_weight_only" and r.get("algorithm"):
+            name += f" ({r['algorithm']})"
         lines.append(f"{name:<24} {r['weight_mb']:>9.2f} {r['mean_cosine']:>9.5f} {r['min_cosine']:>9.5f} "
                      f"{r['latency_ms']:>10.2f} {r['speedup']:>7.2f}x")
     if device == "cpu":

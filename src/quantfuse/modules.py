@@ -91,6 +91,79 @@ def unpack_int32(words: Tensor, bits: int, length: int, dim: int = 1) -> Tensor:
     return v.t().contiguous() if dim == 0 else v.contiguous()
 
 
+@torch.no_grad()
+def gptq_quantize(w: Tensor, hessian: Tensor, bits: int = 4, group_size: int = 128, symmetric: bool = True,
+                  damp: float = 0.01, block: int = 128) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """GPTQ (Frantar et al., 2022): quantize the columns of W [N, K] one at a time and spread each column's
+    rounding error over the columns not yet quantized, weighted by the inverse of H = sum x x^T (the
+    layer's input second moments from calibration), which minimizes ||X W^T - X W_hat^T||.
+
+    The grid is the SPEC's (section 4) with the scales taken from the error-updated weights when each group
+    starts (group_size=-1: from W, once). Returns (biased codes u [N, K] int32, scales [G, N] float32,
+    zeros [G, N] int32 or None): the inputs of `QuantizedWeight.from_codes`, so w_hat = (u - z) * s."""
+    n, k = w.shape
+    W = w.detach().to(torch.float64).clone()
+    H = hessian.detach().to(device=W.device, dtype=torch.float64).clone()
+    if H.shape != (k, k):
+        raise ValueError(f"hessian: expected shape {(k, k)}, got {tuple(H.shape)}")
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += damp * torch.diagonal(H).mean() * torch.eye(k, dtype=H.dtype, device=H.device)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+    gs = k if group_size == -1 else group_size
+    groups = -(-k // gs)
+    qmax = float(2 ** (bits - 1) - 1)
+    top = float(2 ** bits - 1)
+    offset = float(1 << (bits - 1))
+    scales = torch.empty(groups, n, dtype=torch.float32, device=W.device)
+    zeros = None if symmetric else torch.empty(groups, n, dtype=torch.float32, device=W.device)
+    codes = torch.empty(n, k, dtype=torch.int32, device=W.device)
+
+    def grid(cols: Tensor):
+        cf = cols.float()
+        if symmetric:
+            s = torch.clamp(cf.abs().amax(dim=1), min=ref.SCALE_FLOOR) / qmax
+            return s, None
+        lo, hi = cf.amin(dim=1).clamp(max=0.0), cf.amax(dim=1).clamp(min=0.0)
+        s = torch.clamp(hi - lo, min=ref.SCALE_FLOOR) / top
+        return s, torch.round(-lo / s).clamp(0.0, top)
+
+    s = z = None
+    if group_size == -1:
+        s, z = grid(W)
+        scales[0] = s
+        if zeros is not None:
+            zeros[0] = z
+    step = gs if group_size != -1 else block
+    for b0 in range(0, k, step):
+        b1 = min(b0 + step, k)
+        w1 = W[:, b0:b1].clone()
+        err1 = torch.zeros_like(w1)
+        h1 = hinv[b0:b1, b0:b1]
+        if group_size != -1:
+            s, z = grid(w1)
+            scales[b0 // gs] = s
+            if zeros is not None:
+                zeros[b0 // gs] = z
+        sd = s.double()
+        for j in range(b1 - b0):
+            col = w1[:, j]
+            if symmetric:
+                q = torch.round(col / sd).clamp(-qmax - 1, qmax)
+                dq, u = q * sd, q + offset
+            else:
+                u = (torch.round(col / sd) + z.double()).clamp(0.0, top)
+                dq = (u - z.double()) * sd
+            codes[:, b0 + j] = u.to(torch.int32)
+            e = (col - dq) / h1[j, j]
+            w1[:, j:] -= e[:, None] * h1[j, j:][None, :]
+            err1[:, j] = e
+        W[:, b1:] -= err1 @ hinv[b0:b1, b1:]
+    return codes, scales, None if zeros is None else zeros.to(torch.int32)
+
+
 def _rows(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1])
 
@@ -479,7 +552,9 @@ class WeightOnlyLinear(QuantizedLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: int = 128,
-                    symmetric: bool = True) -> "WeightOnlyLinear":
+                    symmetric: bool = True, hessian: Optional[Tensor] = None) -> "WeightOnlyLinear":
+        """Round to nearest (SPEC section 4), or GPTQ when `hessian` (sum of x x^T over calibration inputs,
+        [K, K]) is given (`gptq_quantize`)."""
         _check_linear(linear)
         n, k = linear.weight.shape
         if bits not in (4, 8):
@@ -491,7 +566,13 @@ class WeightOnlyLinear(QuantizedLinear):
             raise ValueError(f"linear: weight-only GEMM needs in_features divisible by 8, got {k}")
         # quantize_weight gives biased codes u = q + 2^(bits-1) (symmetric) or unsigned codes u with zero
         # points z; compressed-tensors stores both offset by -2^(bits-1): the difference u - z is unchanged.
-        qw = ops.quantize_weight(linear.weight.detach(), bits=bits, group_size=group_size, symmetric=symmetric)
+        if hessian is None:
+            qw = ops.quantize_weight(linear.weight.detach(), bits=bits, group_size=group_size, symmetric=symmetric)
+        else:
+            from .weights import QuantizedWeight
+
+            u, sc, zs = gptq_quantize(linear.weight, hessian, bits, group_size, symmetric)
+            qw = QuantizedWeight.from_codes(u, sc, zs, bits, group_size)
         offset = 1 << (bits - 1)
         packed = pack_int32(qw.biased_codes() - offset, bits, dim=1)
         zp = None if symmetric else pack_int32(qw.zero_points().t() - offset, bits, dim=0)
@@ -558,5 +639,5 @@ MODULE_CLASSES = {cls.__name__: cls for cls in
                   (Int8DynamicLinear, Int8StaticLinear, Fp8DynamicLinear, Fp8BlockLinear, WeightOnlyLinear)}
 
 __all__ = ["QuantizedLinear", "Int8DynamicLinear", "Int8StaticLinear", "Fp8DynamicLinear", "Fp8BlockLinear",
-           "Fp8BlockGatedMLP", "WeightOnlyLinear", "quantize_weight_per_channel", "quantize_weight_blocks",
+           "Fp8BlockGatedMLP", "WeightOnlyLinear", "quantize_weight_per_channel", "gptq_quantize", "quantize_weight_blocks",
            "pack_int32", "unpack_int32"]

@@ -35,6 +35,7 @@ from .modules import (
 )
 
 CALIBRATORS = ("max", "percentile", "mse", "entropy")
+WEIGHT_ALGORITHMS = ("rtn", "gptq")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -49,6 +50,31 @@ class QuantConfig:
 
     scheme = "base"
     needs_calibration = False
+
+    def __post_init__(self):
+        self._check_common()
+
+    def _check_common(self) -> None:
+        if isinstance(self.skip, str):
+            self.skip = (self.skip,)
+        if not isinstance(self.skip, (tuple, list)) or not all(isinstance(p, str) for p in self.skip):
+            raise TypeError(f"skip: expected a tuple of name patterns (str), got {self.skip!r}")
+        self.skip = tuple(self.skip)
+        if not isinstance(self.overrides, dict):
+            raise TypeError(f"overrides: expected a dict {{name pattern: config or None}}, "
+                            f"got {type(self.overrides).__name__}")
+        for pattern, override in self.overrides.items():
+            if not isinstance(pattern, str):
+                raise TypeError(f"overrides: expected str name patterns as keys, got {pattern!r}")
+            if override is not None and not isinstance(override, QuantConfig):
+                raise TypeError(f"overrides[{pattern!r}]: expected a QuantConfig or None, "
+                                f"got {type(override).__name__}")
+        for pattern in list(self.skip) + list(self.overrides):
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as err:
+                    raise ValueError(f"pattern {pattern!r}: invalid regular expression: {err}") from err
 
     def convert(self, linear: nn.Linear, stats: Optional["_LayerStats"] = None) -> nn.Module:  # pragma: no cover
         raise NotImplementedError
@@ -102,10 +128,16 @@ class Int8StaticConfig(QuantConfig):
     needs_calibration = True
 
     def __post_init__(self):
+        self._check_common()
         if self.calibrator not in CALIBRATORS:
             raise ValueError(f"calibrator: expected one of {CALIBRATORS}, got {self.calibrator!r}")
         if not isinstance(self.symmetric, bool):
             raise TypeError(f"symmetric: expected a bool, got {type(self.symmetric).__name__}")
+        if isinstance(self.percentile, bool) or not isinstance(self.percentile, (int, float)) \
+                or not 0 < self.percentile <= 100:
+            raise ValueError(f"percentile: expected a number in (0, 100], got {self.percentile!r}")
+        if isinstance(self.num_bins, bool) or not isinstance(self.num_bins, int) or self.num_bins < 2:
+            raise ValueError(f"num_bins: expected an integer >= 2, got {self.num_bins!r}")
 
     def convert(self, linear, stats=None):
         if stats is None or not stats.seen:
@@ -119,16 +151,40 @@ class Int8StaticConfig(QuantConfig):
 
 @dataclass
 class Int4WeightOnlyConfig(QuantConfig):
-    """INT4 weights per (channel, group of `group_size` inputs), 16-bit activations (W4A16)."""
+    """INT4 weights per (channel, group of `group_size` inputs), 16-bit activations (W4A16).
+
+    algorithm: "rtn" rounds each weight to nearest (no data needed); "gptq" calibrates the layers'
+    input second moments H = sum x x^T on `calibration_data` and quantizes with GPTQ (`gptq_quantize`),
+    which compensates each rounding error in the columns still to come. Same format either way."""
 
     group_size: int = 128
     symmetric: bool = True
+    algorithm: str = "rtn"
     scheme = "int4_weight_only"
     bits = 4
 
+    def __post_init__(self):
+        self._check_common()
+        if isinstance(self.group_size, bool) or self.group_size not in (32, 64, 128, 256, -1):
+            raise ValueError(f"group_size: expected one of (32, 64, 128, 256, -1), got {self.group_size!r}")
+        if not isinstance(self.symmetric, bool):
+            raise TypeError(f"symmetric: expected a bool, got {type(self.symmetric).__name__}")
+        if self.algorithm not in WEIGHT_ALGORITHMS:
+            raise ValueError(f"algorithm: expected one of {WEIGHT_ALGORITHMS}, got {self.algorithm!r}")
+
+    @property
+    def needs_calibration(self) -> bool:  # type: ignore[override]
+        return self.algorithm == "gptq"
+
     def convert(self, linear, stats=None):
+        hessian = None
+        if self.algorithm == "gptq":
+            if stats is None or not stats.seen:
+                raise RuntimeError(f"{type(self).__name__}(algorithm='gptq'): the layer saw no calibration data "
+                                   "(was it ever called?)")
+            hessian = stats.hessian
         return WeightOnlyLinear.from_linear(linear, bits=self.bits, group_size=self.group_size,
-                                            symmetric=self.symmetric)
+                                            symmetric=self.symmetric, hessian=hessian)
 
 
 @dataclass
@@ -193,7 +249,12 @@ def plan(model: nn.Module, config: QuantConfig) -> Dict[str, QuantConfig]:
             continue
         if resolved is None:
             continue
-        explicit = any(name_matches(name, p) and o is not None for p, o in config.overrides.items())
+        # A weighted leaf layer (Embedding, Conv, ...) that an override names explicitly, or a known
+        # linear-like layer of another library: refuse loudly. Containers matched by a pattern are fine.
+        weighted_leaf = not any(True for _ in module.children()) and isinstance(
+            getattr(module, "weight", None), torch.Tensor) and module.weight.dim() >= 2
+        explicit = weighted_leaf and any(name_matches(name, p) and o is not None
+                                         for p, o in config.overrides.items())
         if explicit or type(module).__name__ in _UNSUPPORTED_LINEAR_LIKE:
             raise ValueError(
                 f"unsupported layer: '{name}' is a {type(module).__name__}; quantfuse quantizes torch.nn.Linear "
@@ -207,10 +268,14 @@ def plan(model: nn.Module, config: QuantConfig) -> Dict[str, QuantConfig]:
 class _LayerStats:
     """What calibration records about one layer's input: a calibrator plus the running min/max."""
 
-    def __init__(self, config: Int8StaticConfig):
+    def __init__(self, config: QuantConfig):
         from .calibrate import HistogramCalibrator, MaxCalibrator
 
-        self.calibrator = MaxCalibrator() if config.calibrator == "max" else HistogramCalibrator(config.num_bins)
+        self.calibrator = None
+        self.hessian: Optional[torch.Tensor] = None  # sum of x x^T (float64), for GPTQ
+        self.want_hessian = isinstance(config, Int4WeightOnlyConfig)
+        if isinstance(config, Int8StaticConfig):
+            self.calibrator = MaxCalibrator() if config.calibrator == "max" else HistogramCalibrator(config.num_bins)
         self.lo = float("inf")
         self.hi = float("-inf")
         self.seen = 0
@@ -220,9 +285,14 @@ class _LayerStats:
         x = x.detach()
         if not x.is_floating_point() or x.numel() == 0:
             return
-        self.calibrator.collect(x)
-        self.lo = min(self.lo, float(x.min()))
-        self.hi = max(self.hi, float(x.max()))
+        if self.calibrator is not None:
+            self.calibrator.collect(x)
+            self.lo = min(self.lo, float(x.min()))
+            self.hi = max(self.hi, float(x.max()))
+        if self.want_hessian:
+            rows = x.reshape(-1, x.shape[-1]).to(torch.float64)
+            h = rows.t() @ rows
+            self.hessian = h if self.hessian is None else self.hessian + h
         self.seen += 1
 
     def amax(self, config: Int8StaticConfig) -> float:
@@ -263,7 +333,7 @@ def run_batch(model: nn.Module, batch: Any):
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, layer_configs: Dict[str, Int8StaticConfig], calibration_data: Iterable,
+def calibrate(model: nn.Module, layer_configs: Dict[str, QuantConfig], calibration_data: Iterable,
               progress: bool = True) -> Dict[str, _LayerStats]:
     """Run the model over the calibration batches with forward pre-hooks recording each layer's input."""
     from tqdm.auto import tqdm
@@ -272,7 +342,12 @@ def calibrate(model: nn.Module, layer_configs: Dict[str, Int8StaticConfig], cali
     modules = dict(model.named_modules())
     hooks = []
     for name, st in stats.items():
-        hooks.append(modules[name].register_forward_pre_hook(lambda mod, args, st=st: st.collect(args[0])))
+        def hook(mod, args, kwargs, st=st):
+            x = args[0] if args else kwargs.get("input")
+            if isinstance(x, torch.Tensor):
+                st.collect(x)
+
+        hooks.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
     try:
         total = len(calibration_data) if hasattr(calibration_data, "__len__") else None
         batches = 0
@@ -323,7 +398,8 @@ def quantize_(model: nn.Module, config: QuantConfig, calibration_data: Optional[
               progress: bool = True) -> nn.Module:
     """Replace the model's `nn.Linear` layers by quantized modules, in place; returns the model.
 
-    Static configs (Int8StaticConfig, also through `overrides`) need `calibration_data`. Layers whose
+    Static configs (Int8StaticConfig; Int4/Int8WeightOnlyConfig(algorithm="gptq"); also through
+    `overrides`) need `calibration_data`. Layers whose
     shape a scheme cannot take (e.g. fp8_block with in_features not a multiple of 128) raise a
     ValueError naming the layer; skip them or override them with another config."""
     from tqdm.auto import tqdm

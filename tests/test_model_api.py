@@ -1,0 +1,334 @@
+"""Model-level API on CPU: quantize_ with every config, skip / overrides, plan(), config errors,
+checkpoints (bit-exact round trip) and compressed-tensors interoperability."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import quantfuse as qf
+from quantfuse import modules as qm
+from quantfuse.checkpoint import load_quantized, save_quantized
+from quantfuse.quantize_api import (
+    CONFIGS,
+    Fp8BlockConfig,
+    Int4WeightOnlyConfig,
+    Int8DynamicConfig,
+    Int8StaticConfig,
+    Int8WeightOnlyConfig,
+    config_for_scheme,
+    plan,
+    quantize_,
+    quantized_layers,
+)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, d=128, h=256):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, d=128, h=256):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.q_proj = nn.Linear(d, d)
+        self.mlp = GatedMLP(d, h)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x + self.q_proj(x)))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, d=128, h=256, layers=2, vocab=64):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Block(d, h) for _ in range(layers))
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(x)
+
+
+def sequential():
+    return nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
+
+
+ALL_CONFIGS = [
+    Int8DynamicConfig(), Int8StaticConfig(), Int8StaticConfig(calibrator="percentile"),
+    Int8StaticConfig(calibrator="mse", symmetric=False), Int8StaticConfig(calibrator="entropy"),
+    config_for_scheme("fp8_dynamic"), Fp8BlockConfig(), Fp8BlockConfig(fuse_gated_mlp=False),
+    Int4WeightOnlyConfig(), Int4WeightOnlyConfig(group_size=64, symmetric=False),
+    Int4WeightOnlyConfig(algorithm="gptq"), Int8WeightOnlyConfig(), Int8WeightOnlyConfig(algorithm="gptq"),
+]
+IDS = [f"{c.scheme}-{i}" for i, c in enumerate(ALL_CONFIGS)]
+
+
+def _cos(a, b):
+    return float(torch.nn.functional.cosine_similarity(a.detach().flatten(), b.detach().flatten(), dim=0))
+
+
+def _ids(n=4):
+    return [torch.randint(0, 64, (2, 9)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=IDS)
+def test_quantize_sequential_every_config(config):
+    model = sequential().eval()
+    x = torch.randn(3, 5, 128)
+    expected = model(x)
+    calib = [torch.randn(4, 128) for _ in range(3)]
+    quantize_(model, config, calibration_data=calib if config.needs_calibration else None, progress=False)
+    layers = quantized_layers(model)
+    assert set(layers) == {"0", "2"}
+    assert all(isinstance(m, qm.QuantizedLinear) for m in layers.values())
+    y = model(x)
+    assert y.shape == expected.shape and y.dtype == torch.float32
+    assert _cos(y, expected) > 0.97
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=IDS)
+def test_quantize_tiny_llama_every_config(config):
+    model = TinyLlama().eval()
+    ids = torch.randint(0, 64, (2, 7))
+    expected = model(ids)
+    quantize_(model, config, calibration_data=_ids() if config.needs_calibration else None, progress=False)
+    assert isinstance(model.lm_head, nn.Linear)  # skipped by default
+    assert isinstance(model.embed_tokens, nn.Embedding)
+    fused = isinstance(config, Fp8BlockConfig) and config.fuse_gated_mlp
+    for layer in model.layers:
+        assert isinstance(layer.q_proj, qm.QuantizedLinear)
+        if fused:
+            assert isinstance(layer.mlp, qm.Fp8BlockGatedMLP)
+        else:
+            assert isinstance(layer.mlp.down_proj, qm.QuantizedLinear)
+    assert _cos(model(ids), expected) > 0.97
+
+
+def test_fused_gated_mlp_matches_unfused():
+    torch.manual_seed(0)
+    a = TinyLlama().eval()
+    b = TinyLlama().eval()
+    b.load_state_dict(a.state_dict())
+    quantize_(a, Fp8BlockConfig(), progress=False)
+    quantize_(b, Fp8BlockConfig(fuse_gated_mlp=False), progress=False)
+    ids = torch.randint(0, 64, (2, 5))
+    assert _cos(a(ids), b(ids)) > 0.999
+
+
+def test_skip_and_overrides():
+    model = TinyLlama().eval()
+    cfg = Int8DynamicConfig(skip=("q_proj",), overrides={
+        "layers.0.mlp.down_proj": Int4WeightOnlyConfig(),
+        "re:layers\\.1\\.mlp\\.(gate|up)_proj": None,
+        "lm_head": config_for_scheme("fp8_dynamic"),
+    })
+    chosen = plan(model, cfg)
+    assert "layers.0.q_proj" not in chosen and "layers.1.q_proj" not in chosen
+    assert isinstance(chosen["layers.0.mlp.down_proj"], Int4WeightOnlyConfig)
+    assert "layers.1.mlp.gate_proj" not in chosen and "layers.1.mlp.up_proj" not in chosen
+    assert chosen["lm_head"].scheme == "fp8_dynamic"
+    assert chosen["layers.0.mlp.gate_proj"] is cfg
+    quantize_(model, cfg, progress=False)
+    assert isinstance(model.layers[0].q_proj, nn.Linear)
+    assert isinstance(model.layers[0].mlp.down_proj, qm.WeightOnlyLinear)
+    assert isinstance(model.layers[0].mlp.gate_proj, qm.Int8DynamicLinear)
+    assert isinstance(model.layers[1].mlp.gate_proj, nn.Linear)
+    assert isinstance(model.lm_head, qm.Fp8DynamicLinear)
+
+
+def test_plan_is_pure_and_lists_linears():
+    model = sequential()
+    chosen = plan(model, Int8DynamicConfig())
+    assert list(chosen) == ["0", "2"]
+    assert isinstance(model[0], nn.Linear)  # plan changes nothing
+    # wildcard override that also matches a container is fine
+    assert set(plan(TinyLlama(), Int8DynamicConfig(overrides={"*mlp*": None}))) == {
+        "layers.0.q_proj", "layers.1.q_proj"}
+
+
+def test_unsupported_layer_errors():
+    model = TinyLlama()
+    with pytest.raises(ValueError, match="unsupported layer: 'embed_tokens' is a Embedding"):
+        plan(model, Int8DynamicConfig(overrides={"embed_tokens": Int8DynamicConfig()}))
+
+    class Conv1D(nn.Module):  # GPT-2's linear-like layer
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 8))
+
+    m = nn.Sequential(nn.Linear(8, 8), Conv1D())
+    with pytest.raises(ValueError, match="unsupported layer: '1' is a Conv1D.*skip"):
+        quantize_(m, Int8DynamicConfig(), progress=False)
+    quantize_(m, Int8DynamicConfig(skip=("1",)), progress=False)  # skipping it is the way out
+    assert isinstance(m[0], qm.Int8DynamicLinear)
+
+
+def test_shape_error_names_layer():
+    m = nn.Sequential(nn.Linear(96, 128))
+    with pytest.raises(ValueError, match=r"layer '0' \(Linear 96->128\) cannot take scheme fp8_block"):
+        quantize_(m, Fp8BlockConfig(), progress=False)
+
+
+@pytest.mark.parametrize("make, err, match", [
+    (lambda: Int8StaticConfig(calibrator="minmax"), ValueError, "calibrator"),
+    (lambda: Int8StaticConfig(symmetric="yes"), TypeError, "symmetric"),
+    (lambda: Int8StaticConfig(percentile=120.0), ValueError, "percentile"),
+    (lambda: Int4WeightOnlyConfig(group_size=100), ValueError, "group_size"),
+    (lambda: Int4WeightOnlyConfig(algorithm="awq"), ValueError, "algorithm"),
+    (lambda: Int8DynamicConfig(skip=(1,)), TypeError, "skip"),
+    (lambda: Int8DynamicConfig(overrides={"x": "int8"}), TypeError, "overrides"),
+    (lambda: Int8DynamicConfig(skip=("re:(",)), ValueError, "regular expression"),
+    (lambda: config_for_scheme("int3"), ValueError, "scheme"),
+])
+def test_bad_configs(make, err, match):
+    with pytest.raises(err, match=match):
+        make()
+
+
+def test_bad_calls():
+    with pytest.raises(TypeError, match="config"):
+        quantize_(sequential(), "int8_dynamic")
+    with pytest.raises(TypeError, match="model"):
+        quantize_("model", Int8DynamicConfig())
+    with pytest.raises(ValueError, match="calibration_data"):
+        quantize_(sequential(), Int8StaticConfig(), progress=False)
+    with pytest.raises(ValueError, match="calibration_data: expected at least one batch"):
+        quantize_(sequential(), Int4WeightOnlyConfig(algorithm="gptq"), calibration_data=[], progress=False)
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        quantize_(sequential(), Int8DynamicConfig(skip=("*",)), progress=False)
+
+
+def test_gptq_beats_rtn_on_output_error():
+    torch.manual_seed(1)
+    lin = nn.Linear(256, 64)
+    # correlated input channels (as in real activations): where GPTQ's error compensation pays off
+    x = torch.randn(512, 48) @ torch.randn(48, 256) + 0.1 * torch.randn(512, 256)
+    h = x.double().t() @ x.double()
+    rtn = qm.WeightOnlyLinear.from_linear(lin, bits=4, group_size=128)
+    gptq = qm.WeightOnlyLinear.from_linear(lin, bits=4, group_size=128, hessian=h)
+    ref = (x @ lin.weight.t()).detach()
+    e_rtn = (x @ rtn.dequantized_weight().t() - ref).pow(2).sum()
+    e_gptq = (x @ gptq.dequantized_weight().t() - ref).pow(2).sum()
+    assert e_gptq < 0.8 * e_rtn
+    q, _ = gptq.codes()
+    assert int(q.min()) >= -8 and int(q.max()) <= 7
+
+
+def test_half_cast_keeps_codes():
+    model = sequential()
+    quantize_(model, Int8DynamicConfig(), progress=False)
+    before = model[0].weight.clone()
+    model.half()
+    assert model[0].weight.dtype == torch.int8 and torch.equal(model[0].weight, before)
+    assert model[0].weight_scale.dtype == torch.float32 and model[0].bias.dtype == torch.float16
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------------
+def _tensors_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype ==
+                                                                    torch.float8_e4m3fn else a,
+                                                                    b.view(torch.uint8) if b.dtype ==
+                                                                    torch.float8_e4m3fn else b)
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=IDS)
+def test_checkpoint_round_trip_bit_exact(config, tmp_path):
+    model = TinyLlama().eval()
+    quantize_(model, config, calibration_data=_ids() if config.needs_calibration else None, progress=False)
+    save_quantized(model, tmp_path)
+    info = json.loads((tmp_path / "quantfuse.json").read_text())
+    assert info["format_version"] == 1
+    loaded = load_quantized(tmp_path, TinyLlama())
+    sa, sb = model.state_dict(), loaded.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert _tensors_equal(sa[k], sb[k]), k
+    assert [type(m) for m in model.modules()] == [type(m) for m in loaded.modules()]
+    ids = torch.randint(0, 64, (2, 6))
+    assert torch.equal(model(ids), loaded(ids))
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        load_quantized(tmp_path / "missing", TinyLlama())
+    with pytest.raises(FileNotFoundError, match="not a quantfuse checkpoint"):
+        load_quantized(tmp_path, TinyLlama())
+    with pytest.raises(ValueError, match="no quantfuse layer"):
+        save_quantized(sequential(), tmp_path / "x")
+    model = TinyLlama()
+    quantize_(model, Int8DynamicConfig(), progress=False)
+    save_quantized(model, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="same architecture"):
+        load_quantized(tmp_path / "ckpt", sequential())
+
+
+def test_compressed_tensors_config_layout(tmp_path):
+    model = TinyLlama()
+    quantize_(model, Int8DynamicConfig(overrides={"layers.0.*": Int4WeightOnlyConfig()}), progress=False)
+    save_quantized(model, tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
+    assert qc["format"] == "mixed-precision"
+    assert qc["ignore"] == ["lm_head"]
+    targets = sorted(t for g in qc["config_groups"].values() for t in g["targets"])
+    assert len(targets) == 8
+    from safetensors.torch import load_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert tensors["layers.0.q_proj.weight_packed"].dtype == torch.int32
+    assert tensors["layers.1.q_proj.weight"].dtype == torch.int8
+    assert tensors["layers.1.q_proj.weight_scale"].shape == (128, 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# compressed-tensors (the PyPI package) reads what we write
+# ----------------------------------------------------------------------------------------------------
+CT_CONFIGS = [Int8DynamicConfig(), Int8StaticConfig(symmetric=False), config_for_scheme("fp8_dynamic"),
+              Fp8BlockConfig(), Int4WeightOnlyConfig(), Int4WeightOnlyConfig(group_size=64, symmetric=False),
+              Int8WeightOnlyConfig()]
+
+
+@pytest.mark.parametrize("config", CT_CONFIGS, ids=[c.scheme + str(i) for i, c in enumerate(CT_CONFIGS)])
+def test_compressed_tensors_decompresses_our_files(config, tmp_path):
+    ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    model = TinyLlama().eval()
+    quantize_(model, config, calibration_data=_ids() if config.needs_calibration else None, progress=False)
+    save_quantized(model, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    qconfig = QuantizationConfig.model_validate(raw)  # their schema accepts our config
+    tensors = load_file(tmp_path / "model.safetensors")
+    from quantfuse.checkpoint import _flat_layers
+
+    ours = _flat_layers(model)
+    checked = 0
+    for group in qconfig.config_groups.values():
+        fmt = group.format or qconfig.format
+        compressor = BaseCompressor.get_value_from_registry(fmt)
+        for name in group.targets:
+            prefix = name + "."
+            local = {k[len(prefix):]: v for k, v in tensors.items()
+                     if k.startswith(prefix) and "." not in k[len(prefix):]}
+            out = compressor.decompress(local, group)
+            theirs = out["weight"].float()
+            mine = ours[name].dequantized_weight(torch.float32)
+            assert torch.equal(theirs, mine), (ct.__version__, name)
+            checked += 1
+    assert checked == len(ours) > 0
