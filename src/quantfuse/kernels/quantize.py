@@ -179,7 +179,8 @@ def _per_tensor_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     v = tl.math.div_rn(x, tl.full([BLOCK_M, BLOCK_K], 1.0, tl.float32) * scale)
     if HAS_AZP:
-        q = to_int8_sat_azp(v, tl.load(azp_ptr))
+        # as a [BLOCK_M, 1] tensor: to_int8_sat_azp reduces over its zero points, which a scalar cannot
+        q = to_int8_sat_azp(v, tl.zeros([BLOCK_M, 1], dtype=tl.int32) + tl.load(azp_ptr))
     else:
         q = quantize_value(v, IS_FP8, INTERPRET)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
