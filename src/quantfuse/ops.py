@@ -33,6 +33,35 @@ __all__ = ["backend"]
 Tensor = torch.Tensor
 
 
+class _EagerFastOp:
+    """A `torch.library` custom op whose plain eager calls skip the dispatcher.
+
+    The custom-op wrapper costs 150-250 us of host time per call (measured on the H100 machine: 156 us
+    for quantize_per_token, 304 us for scaled_mm, against 51 us for F.linear), more than the kernels take
+    at decode sizes, which made eager models launch-bound. Plain tensors outside torch.compile call the
+    implementation directly; under torch.compile, with fake or functional tensors, or any tensor subclass,
+    the registered op runs, so tracing, fakes and `torch.ops.quantfuse.*` behave as before."""
+
+    def __init__(self, op):
+        self.op = op
+        self.fn = op._init_fn
+        self.register_fake = op.register_fake
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling() or any(
+            isinstance(a, torch.Tensor) and type(a) is not torch.Tensor for a in args
+        ):
+            return self.op(*args)
+        return self.fn(*args)
+
+
+def _custom_op(name: str, mutates_args=()):
+    def wrap(fn):
+        return _EagerFastOp(torch.library.custom_op(name, mutates_args=mutates_args)(fn))
+
+    return wrap
+
+
 def _kernels():
     # Imported lazily so `import quantfuse` stays cheap and works where Triton cannot compile.
     from .kernels import quantize as kq
@@ -61,7 +90,7 @@ def _check_scale_ub(scale_ub, x: Tensor) -> None:
 # ----------------------------------------------------------------------------------------------------
 __all__ += ["quantize_per_tensor", "quantize_per_token", "quantize_per_group", "dequantize"]
 
-@torch.library.custom_op("quantfuse::quantize_per_tensor_dynamic", mutates_args=())
+@_custom_op("quantfuse::quantize_per_tensor_dynamic", mutates_args=())
 def _quantize_per_tensor_dynamic(x: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     x2d = rows_view(x)
     if use_triton(x) and x.numel() > 0:
@@ -76,7 +105,7 @@ def _(x, dtype):
     return torch.empty(x.shape, dtype=dtype, device=x.device), x.new_empty((1,), dtype=torch.float32)
 
 
-@torch.library.custom_op("quantfuse::quantize_per_tensor_static", mutates_args=())
+@_custom_op("quantfuse::quantize_per_tensor_static", mutates_args=())
 def _quantize_per_tensor_static(x: Tensor, dtype: torch.dtype, scale: Tensor, azp: Optional[Tensor]) -> Tensor:
     x2d = rows_view(x)
     if use_triton(x) and x.numel() > 0:
@@ -116,7 +145,7 @@ def quantize_per_tensor(
     return _quantize_per_tensor_static(x, dtype, scale, azp), scale, azp
 
 
-@torch.library.custom_op("quantfuse::quantize_per_token", mutates_args=())
+@_custom_op("quantfuse::quantize_per_token", mutates_args=())
 def _quantize_per_token(
     x: Tensor, dtype: torch.dtype, scale_ub: Optional[Tensor], symmetric: bool
 ) -> Tuple[Tensor, Tensor, Tensor]:
@@ -157,7 +186,7 @@ def quantize_per_token(
     return q, scale, (None if symmetric else azp)
 
 
-@torch.library.custom_op("quantfuse::quantize_per_group", mutates_args=())
+@_custom_op("quantfuse::quantize_per_group", mutates_args=())
 def _quantize_per_group(
     x: Tensor, dtype: torch.dtype, group_size: int, scale_ub: Optional[Tensor], transposed_scales: bool
 ) -> Tuple[Tensor, Tensor]:
@@ -201,7 +230,7 @@ def quantize_per_group(
     return q, scales, None
 
 
-@torch.library.custom_op("quantfuse::dequantize", mutates_args=())
+@_custom_op("quantfuse::dequantize", mutates_args=())
 def _dequantize(
     q: Tensor, scale: Tensor, azp: Optional[Tensor], group_size: Optional[int], out_dtype: torch.dtype
 ) -> Tensor:
@@ -293,7 +322,7 @@ def _check_mm_bias(bias, a: Tensor, n: int) -> None:
         raise ValueError(f"bias: expected shape ({n},) (one value per output column), got {tuple(bias.shape)}")
 
 
-@torch.library.custom_op("quantfuse::scaled_mm", mutates_args=())
+@_custom_op("quantfuse::scaled_mm", mutates_args=())
 def _scaled_mm(
     a: Tensor,
     b: Tensor,
@@ -379,7 +408,7 @@ def azp_adjustment(b_q: Tensor, azp: Optional[Tensor] = None) -> Tensor:
     return ref.azp_adjustment(b_q, azp)
 
 
-@torch.library.custom_op("quantfuse::scaled_mm_blockwise", mutates_args=())
+@_custom_op("quantfuse::scaled_mm_blockwise", mutates_args=())
 def _scaled_mm_blockwise(
     a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype, bias: Optional[Tensor]
 ) -> Tensor:
@@ -447,7 +476,7 @@ def _silu_out_shape(x: Tensor):
     return (*x.shape[:-1], x.shape[-1] // 2)
 
 
-@torch.library.custom_op("quantfuse::silu_and_mul_quant_dynamic", mutates_args=())
+@_custom_op("quantfuse::silu_and_mul_quant_dynamic", mutates_args=())
 def _silu_and_mul_quant_dynamic(
     x: Tensor, dtype: torch.dtype, group_size: Optional[int], scale_ub: Optional[Tensor], transposed_scales: bool
 ) -> Tuple[Tensor, Tensor]:
@@ -469,7 +498,7 @@ def _(x, dtype, group_size, scale_ub, transposed_scales):
     return torch.empty(_silu_out_shape(x), dtype=dtype, device=x.device), scales
 
 
-@torch.library.custom_op("quantfuse::silu_and_mul_quant_static", mutates_args=())
+@_custom_op("quantfuse::silu_and_mul_quant_static", mutates_args=())
 def _silu_and_mul_quant_static(x: Tensor, dtype: torch.dtype, scale: Tensor) -> Tensor:
     if use_triton(x) and x.numel() > 0:
         q, _ = _silu_kernels().silu_and_mul_quant(rows_view(x), dtype, None, scale, None, False)
@@ -553,7 +582,7 @@ def _ref_dequantize_packed(qweight, scales, zeros, bits, group_size, k, dtype):
     return ref.dequantize_weight(u, scales, z, group_size, dtype)
 
 
-@torch.library.custom_op("quantfuse::dequantize_weight", mutates_args=())
+@_custom_op("quantfuse::dequantize_weight", mutates_args=())
 def _dequantize_weight(
     qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], bits: int, group_size: int, k: int,
     dtype: torch.dtype,
@@ -568,7 +597,7 @@ def _(qweight, scales, zeros, bits, group_size, k, dtype):
     return qweight.new_empty((qweight.shape[0], k), dtype=dtype)
 
 
-@torch.library.custom_op("quantfuse::weight_only_mm", mutates_args=())
+@_custom_op("quantfuse::weight_only_mm", mutates_args=())
 def _weight_only_mm(
     x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], perm: Optional[Tensor],
     bias: Optional[Tensor], bits: int, group_size: int, n: int,
