@@ -76,10 +76,14 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(HERE, "..", "BENCHMARKS.md"))
     parser.add_argument("--plots", default=os.path.join(HERE, "plots"))
     args = parser.parse_args()
-    records = []
+    records, others = [], []
     for path in sorted(glob.glob(os.path.join(args.results, "*.json"))):
         with open(path) as f:
-            records.append(json.load(f))
+            data = json.load(f)
+        if isinstance(data, dict) and "rows" in data:
+            records.append(data)
+        else:  # raw measurements (SASS census, error bounds, demo rows): listed, not tabulated
+            others.append(os.path.basename(path))
     parts = [
         "# quantfuse benchmarks",
         "",
@@ -94,6 +98,8 @@ def main() -> None:
         png = plot(record, args.plots)
         if png:
             parts.append(f"![{record['name']}]({os.path.relpath(png, os.path.dirname(os.path.abspath(args.out)))})\n")
+    if others:
+        parts += ["## Other result files", ""] + [f"- `benchmarks/results/{name}`" for name in others] + [""]
     with open(args.out, "w") as f:
         f.write("\n".join(parts))
     print(f"wrote {args.out} from {len(records)} result file(s)")
