@@ -75,6 +75,11 @@ def _sm_count(device_type: str, index) -> int:
     return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (4 for CPU tensors under the interpreter); cached."""
+    return _sm_count(device.type, device.index)
+
+
 def max_partials(device: torch.device) -> int:
     """Programs of a grid-stride reduction: two per SM, so the partials fit one 1024-wide block."""
-    return min(1024, 2 * _sm_count(device.type, device.index))
+    return min(1024, 2 * sm_count(device))

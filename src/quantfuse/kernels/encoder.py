@@ -31,13 +31,13 @@ loop, which multiply by 1 / s_p (the hot loop; a difference only at rounding tie
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
 from ._common import INTERPRET, to_int8_sat
+from .configs import arch_key, sm_count
 
 # ----------------------------------------------------------------------------------------------------
 # Launch configurations (data, per architecture). GEMM tiles are tried largest first; the first whose
@@ -68,23 +68,8 @@ ENCODER_CONFIGS = {
 _EPILOGUES = {"residual": 0, "requant": 1, "qkv": 2}
 
 
-@lru_cache(maxsize=None)
-def _arch(device_type: str, index) -> str:
-    if device_type != "cuda":
-        return "default"
-    major, _ = torch.cuda.get_device_capability(index)
-    return "sm90" if major >= 9 else "default"
-
-
-@lru_cache(maxsize=None)
-def _sm_count(device_type: str, index) -> int:
-    if device_type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _table(device: torch.device) -> dict:
-    return ENCODER_CONFIGS[_arch(device.type, device.index)]
+    return ENCODER_CONFIGS[arch_key(device.type, device.index)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -170,7 +155,7 @@ def _int8_gemm_kernel(
 
 def _pick_gemm_tile(device: torch.device, m: int, n: int, k: int):
     tiles = _table(device)["gemm"]
-    sms = _sm_count(device.type, device.index)
+    sms = sm_count(device)
     for bm, bn, bk, warps, stages, min_waves in tiles:
         if bk > max(16, triton.next_power_of_2(k)):
             continue

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET, cast_to
-from .configs import arch_key
+from .configs import arch_key, sm_count
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -104,12 +104,6 @@ def _bucket(table, m: int) -> List[MMConfig]:
     return table[-1][1]
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
-
-
 def choose_split_k(m: int, n: int, k: int, cfg: MMConfig, device: torch.device) -> int:
     """Split K until about two programs per SM are in flight, keeping at least 4 K steps per split so the
     software pipeline still overlaps loads with math. Only the small-M buckets get here with few tiles."""
@@ -121,7 +115,7 @@ def choose_split_k(m: int, n: int, k: int, cfg: MMConfig, device: torch.device) 
         return 1
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     k_steps = triton.cdiv(k, cfg.block_k)
-    target = 2 * _sm_count(device)
+    target = 2 * sm_count(device)
     if tiles >= target // 2 or k_steps < 8:
         return 1
     split = min(triton.cdiv(target, tiles), k_steps // 4, 16)
