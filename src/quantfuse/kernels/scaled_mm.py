@@ -149,6 +149,24 @@ def _fp8_upcast_interp(x):
 
 
 @triton.jit
+def _tile_operands(a_ptr, b_ptr, M, N, K_PER_SPLIT, stride_am, stride_ak, stride_bk, stride_bn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output rows/columns, wrapped operand indices, K start and first operand pointers.
+    Wrapped indices: out-of-range rows/columns re-read valid memory and are never stored (no contiguity
+    hints on them: at the wrap they are not contiguous)."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ram = (rm % M).to(tl.int64)
+    rbn = (rn % N).to(tl.int64)
+    k_start = tl.program_id(1) * K_PER_SPLIT
+    rk = k_start + tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + ram[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rk[:, None] * stride_bk + rbn[None, :] * stride_bn
+    return rm, rn, ram, rbn, k_start, a_ptrs, b_ptrs
+
+
+@triton.jit
 def _load_operand(ptrs, k_ok, EVEN_K: tl.constexpr, IS_FP8: tl.constexpr, INTERPRET: tl.constexpr):
     """Load an int8/fp8 tile; masked-off K lanes read as 0. Under the interpreter fp8 comes back as its
     float32 upcast (the interpreter cannot cast `other=0` to fp8), which the dot consumes exactly."""
@@ -223,18 +241,10 @@ def _scaled_mm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # wrapped indices: out-of-range rows/columns re-read valid memory and are never stored (no
-    # contiguity hints on them: at the wrap they are not contiguous)
-    ram = (rm % M).to(tl.int64)
-    rbn = (rn % N).to(tl.int64)
-    k_start = pid_k * K_PER_SPLIT
-    rk = k_start + tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + ram[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rk[:, None] * stride_bk + rbn[None, :] * stride_bn
+    rm, rn, ram, rbn, k_start, a_ptrs, b_ptrs = _tile_operands(
+        a_ptr, b_ptr, M, N, K_PER_SPLIT, stride_am, stride_ak, stride_bk, stride_bn,
+        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     if IS_FP8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
@@ -295,16 +305,10 @@ def _blockwise_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ram = (rm % M).to(tl.int64)
-    rbn = (rn % N).to(tl.int64)
-    k_start = pid_k * K_PER_SPLIT
-    rk = k_start + tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + ram[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rk[:, None] * stride_bk + rbn[None, :] * stride_bn
+    rm, rn, ram, rbn, k_start, a_ptrs, b_ptrs = _tile_operands(
+        a_ptr, b_ptr, M, N, K_PER_SPLIT, stride_am, stride_ak, stride_bk, stride_bn,
+        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     sa_ptrs = scale_a_ptr + ram * stride_sam
     # one weight-block scale per column (BLOCK_N may span several 128-wide weight blocks)
     sb_ptrs = scale_b_ptr + (rbn // SCALE_BLOCK) * stride_sbn

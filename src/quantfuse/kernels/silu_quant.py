@@ -129,16 +129,11 @@ def _load_silu_mul(x_ptr, row, cols, mask, H, stride_xm, INTERPRET: tl.constexpr
 
 
 @triton.jit
-def _silu_mul_quant_kernel(
-    x_ptr, q_ptr, scale_ptr, ub_ptr, partial_ptr,
-    num_regions, regions_per_row, H,
-    stride_xm, stride_qm, stride_sm, stride_sg,
-    QMAX: tl.constexpr, IS_FP8: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_UB: tl.constexpr,
-    WIDTH: tl.constexpr, BLOCK_R: tl.constexpr, MASK_COLS: tl.constexpr, BLOCK_P: tl.constexpr,
-    FMA_DIV: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    region = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _load_regions(x_ptr, num_regions, regions_per_row, H, stride_xm,
+                  WIDTH: tl.constexpr, BLOCK_R: tl.constexpr, MASK_COLS: tl.constexpr, INTERPRET: tl.constexpr):
+    """This program's BLOCK_R regions (region = row * regions_per_row + chunk of WIDTH columns) and their
+    y = silu(gate) * up in float32 (masked lanes 0)."""
+    region = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     region_mask = region < num_regions
     row = region // regions_per_row
     chunk = region % regions_per_row
@@ -147,6 +142,20 @@ def _silu_mul_quant_kernel(
     if MASK_COLS:
         mask = mask & (cols < H)
     y = _load_silu_mul(x_ptr, row, cols, mask, H, stride_xm, INTERPRET)
+    return region, region_mask, row, chunk, cols, mask, y
+
+
+@triton.jit
+def _silu_mul_quant_kernel(
+    x_ptr, q_ptr, scale_ptr, ub_ptr, partial_ptr,
+    num_regions, regions_per_row, H,
+    stride_xm, stride_qm, stride_sm, stride_sg,
+    QMAX: tl.constexpr, IS_FP8: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_UB: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_R: tl.constexpr, MASK_COLS: tl.constexpr, BLOCK_P: tl.constexpr,
+    FMA_DIV: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    region, region_mask, row, chunk, cols, mask, y = _load_regions(
+        x_ptr, num_regions, regions_per_row, H, stride_xm, WIDTH, BLOCK_R, MASK_COLS, INTERPRET)
 
     if SCALE_MODE == 0:
         # the region is the scaled region (a group, or a whole row that fits in the tile);
@@ -173,16 +182,8 @@ def _silu_mul_amax_kernel(
     WIDTH: tl.constexpr, BLOCK_R: tl.constexpr, MASK_COLS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """partial[row, chunk] = max |y| over the chunk (region index = row * regions_per_row + chunk)."""
-    pid = tl.program_id(0)
-    region = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    region_mask = region < num_regions
-    row = region // regions_per_row
-    chunk = region % regions_per_row
-    cols = chunk[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
-    mask = region_mask[:, None]
-    if MASK_COLS:
-        mask = mask & (cols < H)
-    y = _load_silu_mul(x_ptr, row, cols, mask, H, stride_xm, INTERPRET)
+    region, region_mask, row, chunk, cols, mask, y = _load_regions(
+        x_ptr, num_regions, regions_per_row, H, stride_xm, WIDTH, BLOCK_R, MASK_COLS, INTERPRET)
     tl.store(partial_ptr + region, tl.max(tl.abs(y), axis=1), mask=region_mask)
 
 
