@@ -81,6 +81,38 @@ def test_gemm_residual_fp16_out(m, residual):
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("m", [1, 31, 127])
+def test_gemm_requant_per_column_scale(m):
+    # the FC1 epilogue of a smoothed encoder: one requantization scale per output column
+    n, k = 96, 64
+    a, w = u.int8(m, k), u.int8(n, k)
+    w_scale, bias = torch.rand(n) * 0.01 + 0.002, torch.randn(n)
+    out_scale = (torch.rand(n) * 0.08 + 0.01).float()
+    ref = enc.reference_int8_gemm(a, w, 0.02, w_scale, bias, "requant", out_scale=out_scale, gelu=True)
+    per_tensor = enc.reference_int8_gemm(a, w, 0.02, w_scale, bias, "requant", out_scale=out_scale[:1].clone(),
+                                         gelu=True)
+    with ops.backend("triton"):
+        out = ke.int8_gemm(a, w, 0.02, w_scale, bias, "requant", out_scale=out_scale, gelu=True)
+    u.assert_int8_close(out, ref)
+    assert not torch.equal(ref, per_tensor)  # the column scales are really used
+
+
+@pytest.mark.parametrize("m", [1, 31, 127])
+def test_gemm_int8_residual_per_column_scale(m):
+    n, k = 64, 96
+    a, w = u.int8(m, k), u.int8(n, k)
+    w_scale, bias = torch.rand(n) * 0.01, torch.randn(n)
+    res = u.int8(m, n)
+    res_scale = (torch.rand(n) * 0.05 + 0.001).float()
+    ref = enc.reference_int8_gemm(a, w, 0.02, w_scale, bias, "residual", residual=res, residual_scale=res_scale)
+    with ops.backend("triton"):
+        out = ke.int8_gemm(a, w, 0.02, w_scale, bias, "residual", residual=res, residual_scale=res_scale)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-3, atol=1e-3)
+    scalar = enc.reference_int8_gemm(a, w, 0.02, w_scale, bias, "residual", residual=res,
+                                     residual_scale=float(res_scale[0]))
+    assert not torch.allclose(ref.float(), scalar.float(), atol=1e-2)
+
+
 def test_gemm_strided_residual():
     m, n, k = 31, 64, 64
     a, w = u.int8(m, k), u.int8(n, k)
@@ -145,6 +177,26 @@ def test_layernorm_quant(m, n, write_fp16):
     else:
         assert o16 is None and r16 is None
     u.assert_int8_close(o8, r8)
+
+
+@pytest.mark.parametrize("m", [1, 31, 127])
+@pytest.mark.parametrize("write_fp16", [True, False])
+def test_layernorm_quant_per_column_scale(m, write_fp16):
+    # a smoothed LayerNorm output: x_c / f_c quantized with s * f_c per column; the fp16 copy is unsmoothed
+    n = 96
+    y = (torch.randn(m, n) * 4 + torch.randn(n)).half()
+    gamma, beta = (torch.rand(n) + 0.5).float(), (torch.randn(n) * 0.1).float()
+    col = (enc._f32(4.0 / 127) * 2.0 ** torch.empty(n).uniform_(-3, 3)).float()
+    r16, r8 = enc.reference_layernorm_quant(y, gamma, beta, 1e-12, col, write_fp16)
+    with ops.backend("triton"):
+        o16, o8 = ke.layernorm_quant(y, gamma, beta, 1e-12, col, write_fp16)
+    u.assert_int8_close(o8, r8)
+    if write_fp16:
+        torch.testing.assert_close(o16.float(), r16.float(), rtol=1e-3, atol=2e-3)
+        plain16, _ = enc.reference_layernorm_quant(y, gamma, beta, 1e-12, 4.0 / 127, True)
+        assert torch.equal(r16, plain16)  # smoothing never touches the fp16 (residual) copy
+    with pytest.raises(ValueError, match="out_scale: expected a float or a contiguous float32 tensor of N=96"):
+        ke.layernorm_quant(y, gamma, beta, 1e-12, col[:10], write_fp16)
 
 
 def test_layernorm_fp16_only():
@@ -273,6 +325,78 @@ def test_encoder_all_padding_batch(tiny):
     assert torch.isfinite(padded).all()
 
 
+@pytest.mark.parametrize("mode", [1, 2])
+def test_encoder_without_smoothing_matches_fp32_model(mode):
+    # smoothing=None: the plain per-tensor pipeline (every column scale equals the per-tensor scale)
+    torch.manual_seed(11)
+    model = _tiny_bert(0.1)
+    e = Int8Encoder.from_hf(model, _calib(), mode=mode, calibrator="max", smoothing=None)
+    assert e.smoothing is None
+    assert torch.equal(e.l1_h_cs, torch.full_like(e.l1_h_cs, e.scales["h"][1]))
+    ids, mask = u.random_batch(3, 32, vocab=VOCAB, lengths=[32, 17, 5])
+    v = mask.bool()
+    with ops.backend("triton"):
+        out = e(ids, mask)
+    ref = e(ids, mask)
+    assert float(_cos(out[v], ref[v]).min()) > 0.9999
+    with torch.no_grad():
+        hf = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert float(_cos(out[v], hf[v]).min()) > HF_COS_BOUND
+
+
+def _outlier_bert():
+    # BERT-like activation outliers: a few hidden channels carry values ~30x the rest
+    torch.manual_seed(21)
+    model = _tiny_bert(0.1)
+    with torch.no_grad():
+        for ln in [model.embeddings.LayerNorm] + [l.output.LayerNorm for l in model.encoder.layer] + \
+                [l.attention.output.LayerNorm for l in model.encoder.layer]:
+            ln.weight[[3, 17, 40]] *= 30.0
+    return model
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_smoothing_recovers_outlier_channels(mode):
+    model = _outlier_bert()
+    calib = _calib()
+    ids, mask = u.random_batch(4, 32, vocab=VOCAB, lengths=[32, 25, 12, 3])
+    v = mask.bool()
+    with torch.no_grad():
+        hf = model(input_ids=ids, attention_mask=mask).last_hidden_state[v]
+    errs = {}
+    for alpha in (None, 0.8):
+        e = Int8Encoder.from_hf(model, calib, mode=mode, calibrator="max", smoothing=alpha)
+        out = e(ids, mask)[v].float()
+        errs[alpha] = float((out - hf).norm() / hf.norm())
+    # per-tensor int8 of the outlier-dominated activations loses the ordinary channels; smoothing keeps them
+    assert errs[0.8] < 0.6 * errs[None], errs
+
+
+def test_smoothing_is_exact_algebra():
+    # the folded weights times the factors' inverse are the original weights, and the column scales are
+    # the per-tensor scale times the factors (float32)
+    torch.manual_seed(3)
+    model = _tiny_bert(0.1)
+    fp = enc._FloatParams.from_hf(model, model.config, torch.device("cpu"))
+    calib = _calib()
+    batches = [enc._batch_fields(b, torch.device("cpu")) for b in calib]
+    factors = enc._smoothing_factors(fp, batches, 0.8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    e = Int8Encoder.from_hf(model, calib, mode=1, calibrator="max", smoothing=0.8)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the source model is untouched
+    for i in range(2):
+        for name in ("in", "h", "f"):
+            f = factors[name][i]
+            assert torch.isfinite(f).all() and bool((f > 0).all())
+            expected = torch.tensor(e.scales[name][i], dtype=torch.float32) * f
+            assert torch.equal(getattr(e, f"l{i}_{name}_cs"), expected)
+        w_fc2 = getattr(e, f"l{i}_fc2_w").float() * getattr(e, f"l{i}_fc2_ws")[:, None] / factors["f"][i][None, :]
+        orig = model.encoder.layer[i].output.dense.weight
+        # dequantized (W * f) / f is W up to half an int8 step of the folded row, divided back by f
+        step = getattr(e, f"l{i}_fc2_ws")[:, None] / factors["f"][i][None, :]
+        assert bool(((w_fc2 - orig).abs() <= 0.5 * step * (1 + 1e-5) + 1e-7).all())
+
+
 def test_from_hf_default_calibrator_and_inputs():
     # default calibrator (percentile), calibration batches as dicts / bare ids, BertModel wrapped in `.bert`
     torch.manual_seed(7)
@@ -314,6 +438,8 @@ def _bad_config_bert(**overrides):
         (dict(mode=3), ["mode", "3"]),
         (dict(mode=0), ["mode", "0"]),
         (dict(calibrator="minmax"), ["calibrator", "minmax"]),
+        (dict(smoothing=1.5), ["smoothing", "1.5"]),
+        (dict(smoothing=True), ["smoothing", "True"]),
     ],
 )
 def test_from_hf_bad_arguments(tiny, kwargs, words):

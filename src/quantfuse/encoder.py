@@ -15,7 +15,19 @@ One layer, with `x ~ s_in * x_q` its input (fp16 copy `x` too in mode 1):
     f_q      = fc1_gemm(h_q)                 # dequant + bias + GELU + requant (s_f)
     y2       = fc2_gemm(f_q) + residual      # residual: fp16 h (mode 1) or s_h * h_q (mode 2)
     x', x'_q = layernorm(y2)                 # x'_q with the next layer's s_in: one layer's output
-                                             # scale is the next layer's input scale
+                                             # scale is the next layer's input scale (per column with
+                                             # smoothing, below)
+
+SmoothQuant (`smoothing=alpha`, default 0.8): the three activations that reach an int8 GEMM from a
+LayerNorm or from the FC1 epilogue (QKV input x, FC1 input h, FC2 input f) carry BERT's outlier channels,
+and one per-tensor int8 scale then leaves the ordinary channels a handful of codes. Per channel c a factor
+f_c = max|X_c|^alpha / max|W_{:,c}|^(1-alpha) moves range from the activation to the consumer's weight:
+W_{:,c} *= f_c before the per-output-channel weight quantization, and the producing kernel quantizes with
+the per-column scale s_x * f_c (the fp16 residual copy of mode 1 is never scaled; mode 2's int8 residuals
+are dequantized with the same per-column scales). The GEMMs are unchanged. On all-MiniLM-L6-v2 with the
+bundled sentences (percentile calibrator, CPU reference) mean cosine to fp32 goes 0.9885 -> 0.9973
+(mode 1) and 0.9812 -> 0.9969 (mode 2); alpha 0.8-1.0 are on a plateau, 0.5 gives 0.9906 / 0.9891, and a
+held-out split (calibrate on half the sentences, score the other half) gives the same picture.
 
 Padding removal packs the valid tokens of a batch into one [T, hidden] matrix before the first layer
 (attention walks each sequence through `cu_seqlens`) and scatters them back after the last; padded
@@ -81,13 +93,16 @@ def reference_int8_gemm(a, w, a_scale, w_scale, bias, epilogue, *, out_scale=Non
         if residual is not None:
             r = residual.float()
             if residual.dtype == torch.int8:
-                r = r * torch.tensor(residual_scale, dtype=torch.float32, device=a.device)
+                if isinstance(residual_scale, Tensor):  # per-column scales of a smoothed int8 activation
+                    r = r * residual_scale.float()
+                else:
+                    r = r * torch.tensor(residual_scale, dtype=torch.float32, device=a.device)
             v = v + r
         return v.to(torch.float16)
     if epilogue == "requant":
         if gelu:
             v = 0.5 * v * (1.0 + torch.erf(v * 0.7071067811865476))
-        return _quant(v, out_scale.reshape(()).float())
+        return _quant(v, out_scale.float() if out_scale.numel() > 1 else out_scale.reshape(()).float())
     q = _quant(v, out_scale.float())
     m, n = q.shape
     hidden = n // 3
@@ -143,7 +158,12 @@ def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16):
     if write_fp16:
         out16 = o.to(torch.float16)
         o = out16.float()
-    out8 = _quant(o, _f32(out_scale)) if out_scale is not None else None
+    if out_scale is None:
+        out8 = None
+    elif isinstance(out_scale, Tensor):  # per-column scales (smoothing folded into the consumer's weight)
+        out8 = _quant(o, out_scale.float())
+    else:
+        out8 = _quant(o, _f32(out_scale))
     return out16, out8
 
 
@@ -197,6 +217,31 @@ def _amax(cal, method: str, percentile: float, is_probability: bool) -> float:
     if method == "percentile":
         return float(cal.compute_amax("percentile", percentile=percentile))
     return float(cal.compute_amax(method))
+
+
+_SMOOTHED = ("in", "h", "f")  # activations whose int8 producer is a LayerNorm or the FC1 epilogue
+
+
+@torch.no_grad()
+def _smoothing_factors(fp: "_FloatParams", batches, alpha: float) -> Dict[str, List[Tensor]]:
+    """SmoothQuant factors per layer for the QKV input ("in"), FC1 input ("h") and FC2 input ("f"), from
+    per-channel maxima of those activations over the valid tokens of `batches`."""
+    from .calibrate import MaxCalibrator, smoothquant_factors
+
+    n = len(fp.layers)
+    cals = {(name, i): MaxCalibrator(axis=-1) for name in _SMOOTHED for i in range(n)}
+
+    def observe(name, i, x, mask):
+        if name in _SMOOTHED and i < n:
+            cals[(name, i)].collect(x[mask] if mask is not None else x)
+
+    for ids, mask, tt in batches:
+        _float_forward(fp, ids, mask, tt, observe)
+    consumers = {"in": lambda lp: [lp["wq"], lp["wk"], lp["wv"]], "h": lambda lp: [lp["w1"]],
+                 "f": lambda lp: [lp["w2"]]}
+    return {name: [smoothquant_factors(cals[(name, i)].compute_amax().reshape(-1), consumers[name](lp), alpha)
+                   for i, lp in enumerate(fp.layers)]
+            for name in _SMOOTHED}
 
 
 def _scale_of(amax: float) -> float:
@@ -348,7 +393,8 @@ def pack_mask(attention_mask: Tensor) -> PackedBatch:
 class Int8Encoder(torch.nn.Module):
     """INT8 BERT encoder; build with `from_hf`. Buffers move with `.to(device)`."""
 
-    def __init__(self, fp: _FloatParams, scales: Dict[str, List[float]], mode: int, calibrator: str):
+    def __init__(self, fp: _FloatParams, scales: Dict[str, List[float]], mode: int, calibrator: str,
+                 smooth: Optional[Dict[str, List[Tensor]]] = None, smoothing: Optional[float] = None):
         super().__init__()
         if mode not in (1, 2):
             raise ValueError(f"mode: expected 1 (fp16 residual/output) or 2 (int8 residual/output), got {mode!r}")
@@ -360,12 +406,27 @@ class Int8Encoder(torch.nn.Module):
         self.eps = fp.eps
         self.num_layers = len(fp.layers)
         self.scales = scales  # name -> per-layer float32 scales (python floats)
+        self.smoothing = smoothing  # SmoothQuant alpha, or None
         self.register_buffer("word_emb", fp.word.half())
         self.register_buffer("pos_emb", fp.pos.half())
         self.register_buffer("token_type", fp.type.half())
         self.register_buffer("emb_ln_w", fp.emb_ln_w.clone())
         self.register_buffer("emb_ln_b", fp.emb_ln_b.clone())
+        n_layers = len(fp.layers)
+        ones = lambda size: torch.ones(size, dtype=torch.float32, device=fp.word.device)  # noqa: E731
+        smooth = smooth or {name: [ones(size)] * n_layers
+                            for name, size in (("in", fp.hidden), ("h", fp.hidden), ("f", fp.layers[0]["w1"].shape[0]))}
         for i, lp in enumerate(fp.layers):
+            # SmoothQuant folded exactly: the consumer's weight columns times the factor, the producer's int8
+            # output divided by it through per-column quantization scales s_x * factor[c].
+            lp = dict(lp)
+            for key in ("wq", "wk", "wv"):
+                lp[key] = lp[key] * smooth["in"][i][None, :]
+            lp["w1"] = lp["w1"] * smooth["h"][i][None, :]
+            lp["w2"] = lp["w2"] * smooth["f"][i][None, :]
+            for name in ("in", "h", "f"):
+                col = torch.tensor(scales[name][i], dtype=torch.float32, device=fp.word.device) * smooth[name][i]
+                self.register_buffer(f"l{i}_{name}_cs", col.float().contiguous())
             w_qkv = torch.cat([lp["wq"], lp["wk"], lp["wv"]], 0)
             for name, w, bias in (("qkv", w_qkv, torch.cat([lp["bq"], lp["bk"], lp["bv"]])),
                                   ("o", lp["wo"], lp["bo"]), ("fc1", lp["w1"], lp["b1"]), ("fc2", lp["w2"], lp["b2"])):
@@ -376,7 +437,6 @@ class Int8Encoder(torch.nn.Module):
             h = fp.hidden
             qkv_out = torch.cat([torch.full((h,), scales[k][i]) for k in ("q", "k", "v")]).float()
             self.register_buffer(f"l{i}_qkv_os", qkv_out)
-            self.register_buffer(f"l{i}_f_os", torch.tensor([scales["f"][i]], dtype=torch.float32))
             for name in ("ln1_w", "ln1_b", "ln2_w", "ln2_b"):
                 self.register_buffer(f"l{i}_{name}", lp[name].clone())
 
@@ -384,39 +444,52 @@ class Int8Encoder(torch.nn.Module):
     @classmethod
     @torch.no_grad()
     def from_hf(cls, model, calibration_batches: Iterable, mode: int = 1, calibrator: str = "percentile",
-                percentile: float = 99.99, device=None) -> "Int8Encoder":
+                percentile: float = 99.99, device=None, smoothing: Optional[float] = 0.8) -> "Int8Encoder":
         """Calibrate on `calibration_batches` (dicts with input_ids / attention_mask / token_type_ids,
         tuples (input_ids, attention_mask[, token_type_ids]) or bare input_ids tensors), quantize, return
-        the encoder on `device` (default: the model's)."""
+        the encoder on `device` (default: the model's).
+
+        smoothing: SmoothQuant alpha for the three activations that feed int8 GEMMs from a LayerNorm or a
+        GELU (QKV and FC1 inputs, FC2 input): per channel c, f_c = max|X_c|^alpha / max|W_{:,c}|^(1-alpha)
+        (`calibrate.smoothquant_factors`, from a first pass), W_{:,c} *= f_c, and the producing kernel
+        quantizes X_c / f_c with the per-tensor scale calibrated on X / f (second pass). Exact algebra;
+        only where the rounding happens moves. None: plain per-tensor quantization."""
         if mode not in (1, 2):
             raise ValueError(f"mode: expected 1 or 2, got {mode!r}")
         if calibrator not in CALIBRATORS:
             raise ValueError(f"calibrator: expected one of {CALIBRATORS}, got {calibrator!r}")
+        if smoothing is not None and (isinstance(smoothing, bool) or not isinstance(smoothing, (int, float))
+                                      or not 0.0 <= smoothing <= 1.0):
+            raise ValueError(f"smoothing: expected None or a SmoothQuant alpha in [0, 1], got {smoothing!r}")
         bert, cfg = _hf_parts(model)
         src_device = next(bert.parameters()).device
         device = torch.device(device) if device is not None else src_device
         fp = _FloatParams.from_hf(bert, cfg, src_device)
         n = len(fp.layers)
+        batches = [_batch_fields(batch, src_device) for batch in calibration_batches]
+        if not batches:
+            raise ValueError("calibration_batches: expected at least one batch, got none")
+        smooth = None
+        if smoothing is not None:
+            smooth = _smoothing_factors(fp, batches, float(smoothing))
         cals = {(name, i): _make_calibrator(calibrator, name == "p") for name in _ACTS_PER_LAYER for i in range(n)}
         cals[("out", n)] = _make_calibrator(calibrator, False)
 
         def observe(name, i, x, mask):
             if name == "in" and ("in", i) not in cals:
                 return
-            cals[(name, i)].collect(x[mask] if mask is not None else x)
+            x = x[mask] if mask is not None else x
+            if smooth is not None and name in _SMOOTHED:
+                x = x / smooth[name][i]
+            cals[(name, i)].collect(x)
 
-        seen = 0
-        for batch in calibration_batches:
-            ids, mask, tt = _batch_fields(batch, src_device)
+        for ids, mask, tt in batches:
             _float_forward(fp, ids, mask, tt, observe)
-            seen += 1
-        if seen == 0:
-            raise ValueError("calibration_batches: expected at least one batch, got none")
         scales = {name: [_scale_of(_amax(cals[(name, i)], calibrator, percentile, name == "p")) for i in range(n)]
                   for name in _ACTS_PER_LAYER}
         # one layer's output scale is the next layer's input scale
         scales["in"].append(_scale_of(_amax(cals[("out", n)], calibrator, percentile, False)))
-        enc = cls(fp, scales, mode, calibrator)
+        enc = cls(fp, scales, mode, calibrator, smooth, None if smoothing is None else float(smoothing))
         return enc.to(device)
 
     # -- forward -----------------------------------------------------------------------------------
@@ -428,7 +501,7 @@ class Int8Encoder(torch.nn.Module):
         ops = _ops_for(emb16)
         mode1 = self.mode == 1
         s_in = self.scales["in"]
-        x16, xq = ops.layernorm_quant(emb16, self.emb_ln_w, self.emb_ln_b, self.eps, s_in[0], mode1)
+        x16, xq = ops.layernorm_quant(emb16, self.emb_ln_w, self.emb_ln_b, self.eps, self.l0_in_cs, mode1)
         t = emb16.shape[0]
         for i in range(self.num_layers):
             g = lambda name: getattr(self, f"l{i}_{name}")  # noqa: E731
@@ -438,18 +511,23 @@ class Int8Encoder(torch.nn.Module):
             ctx = ops.int8_attention(qk, vt, cu_seqlens, max_seqlen, key_mask, sc["q"], sc["k"], sc["v"], sc["p"],
                                      sc["ctx"])
             y = ops.int8_gemm(ctx, g("o_w"), sc["ctx"], g("o_ws"), g("o_b"), "residual",
-                              residual=x16 if mode1 else xq, residual_scale=sc["in"])
-            h16, hq = ops.layernorm_quant(y, g("ln1_w"), g("ln1_b"), self.eps, sc["h"], mode1)
-            fq = ops.int8_gemm(hq, g("fc1_w"), sc["h"], g("fc1_ws"), g("fc1_b"), "requant", out_scale=g("f_os"),
+                              residual=x16 if mode1 else xq, residual_scale=g("in_cs"))
+            h16, hq = ops.layernorm_quant(y, g("ln1_w"), g("ln1_b"), self.eps, g("h_cs"), mode1)
+            fq = ops.int8_gemm(hq, g("fc1_w"), sc["h"], g("fc1_ws"), g("fc1_b"), "requant", out_scale=g("f_cs"),
                                gelu=True)
             y2 = ops.int8_gemm(fq, g("fc2_w"), sc["f"], g("fc2_ws"), g("fc2_b"), "residual",
-                               residual=h16 if mode1 else hq, residual_scale=sc["h"])
+                               residual=h16 if mode1 else hq, residual_scale=g("h_cs"))
             last = i == self.num_layers - 1
-            x16, xq = ops.layernorm_quant(y2, g("ln2_w"), g("ln2_b"), self.eps,
-                                          None if (last and mode1) else s_in[i + 1], mode1)
+            if last:
+                # the encoder's output: per tensor (no consumer weight to fold a factor into)
+                next_scale = None if mode1 else s_in[i + 1]
+            else:
+                next_scale = getattr(self, f"l{i + 1}_in_cs")
+            x16, xq = ops.layernorm_quant(y2, g("ln2_w"), g("ln2_b"), self.eps, next_scale, mode1)
         if mode1:
             return x16
-        return (xq.float() * torch.tensor(s_in[-1], dtype=torch.float32, device=xq.device)).to(torch.float16)
+        # a Python float multiplier: no host-to-device copy, so the whole forward is graph-capturable
+        return (xq.float() * s_in[-1]).to(torch.float16)
 
     def forward_packed(self, input_ids: Tensor, token_type_ids: Tensor, positions: Tensor, cu_seqlens: Tensor,
                        max_seqlen: int) -> Tensor:

@@ -79,8 +79,9 @@ def _table(device: torch.device) -> dict:
 def _int8_gemm_kernel(
     a_ptr, w_ptr, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
     M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt,
-    a_scale, res_scale, HIDDEN,
+    a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
     EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
+    COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -129,12 +130,18 @@ def _int8_gemm_kernel(
             v = v + r.to(tl.float32)
         if RES_MODE == 2:
             r = tl.load(res_ptr + rm[:, None].to(tl.int64) * stride_rm + rn[None, :], mask=mask, other=0)
-            v = v + r.to(tl.float32) * res_scale
+            if COLUMN_RES_SCALE:
+                v = v + r.to(tl.float32) * tl.load(res_scale_vec_ptr + rn, mask=n_ok, other=0.0)[None, :]
+            else:
+                v = v + r.to(tl.float32) * res_scale
         tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
     elif EPILOGUE == 1:
         if GELU:
             v = 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
-        out_scale = tl.load(out_scale_ptr)
+        if COLUMN_OUT_SCALE:
+            out_scale = tl.load(out_scale_ptr + rn, mask=n_ok, other=1.0)[None, :]
+        else:
+            out_scale = tl.load(out_scale_ptr)
         q = to_int8_sat(tl.math.div_rn(v, out_scale + tl.zeros_like(v)))
         tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], q, mask=mask)
     else:
@@ -177,12 +184,16 @@ def int8_gemm(
     out_scale: torch.Tensor | None = None,
     gelu: bool = False,
     residual: torch.Tensor | None = None,
-    residual_scale: float = 1.0,
+    residual_scale: float | torch.Tensor = 1.0,
     heads: int = 1,
     head_dim: int = 1,
     vt_stride: int | None = None,
 ):
     """Launch `acc = a @ w.T` (int8 [M, K] x int8 [N, K]) with the named epilogue (module docstring).
+
+    out_scale: float32 [1] (per tensor) or [N] (per output column: "qkv", and "requant" when the consumer
+    of the int8 output folds a per-channel smoothing factor into its weight). residual_scale: a float, or
+    float32 [N] for an int8 residual quantized with per-column scales.
 
     Returns fp16 [M, N] ("residual"), int8 [M, N] ("requant"), or (qk int8 [2, heads, M, head_dim],
     vt int8 [heads, head_dim, vt_stride]) ("qkv")."""
@@ -196,11 +207,22 @@ def int8_gemm(
         raise ValueError(f"a, w: expected the same K, got a {tuple(a.shape)} and w {tuple(w.shape)}")
     if epilogue != "residual" and out_scale is None:
         raise ValueError(f"out_scale: the {epilogue!r} epilogue requantizes and needs out_scale")
+    n = w.shape[0]
+    if out_scale is not None and (out_scale.dtype != torch.float32 or out_scale.numel() not in (1, n)
+                                  or not out_scale.is_contiguous()):
+        raise ValueError(f"out_scale: expected a contiguous float32 tensor of 1 or N={n} elements, got "
+                         f"{out_scale.dtype} {tuple(out_scale.shape)}")
+    if epilogue == "qkv" and out_scale.numel() != n:
+        raise ValueError(f"out_scale: the 'qkv' epilogue expects one scale per column ({n}), got {out_scale.numel()}")
+    column_res = isinstance(residual_scale, torch.Tensor)
+    if column_res and (residual_scale.dtype != torch.float32 or residual_scale.numel() != n
+                       or not residual_scale.is_contiguous()):
+        raise ValueError(f"residual_scale: expected a float or a contiguous float32 tensor of N={n} elements, "
+                         f"got {residual_scale.dtype} {tuple(residual_scale.shape)}")
     if epilogue == "qkv" and w.shape[0] != 3 * heads * head_dim:
         raise ValueError(f"w: the 'qkv' epilogue expects {3 * heads * head_dim} = 3 * heads * head_dim rows, "
                          f"got {w.shape[0]}")
     m, k = a.shape
-    n = w.shape[0]
     dev = a.device
     bm, bn, bk, warps, stages = _pick_gemm_tile(dev, m, n, k)
     code = _EPILOGUES[epilogue]
@@ -224,8 +246,11 @@ def int8_gemm(
         a, w, bias, w_scale, out_scale if out_scale is not None else w_scale, res, out, vt,
         m, n, k, a.stride(0), w.stride(0), res.stride(0) if res.dim() == 2 else 0,
         out.stride(0) if code != 2 else 0, vt_stride or 0,
-        float(a_scale), float(residual_scale), hidden,
-        EPILOGUE=code, RES_MODE=res_mode, GELU=gelu, HEAD_DIM=head_dim, EVEN_K=(k % bk == 0),
+        float(a_scale), 1.0 if column_res else float(residual_scale), residual_scale if column_res else w_scale,
+        hidden,
+        EPILOGUE=code, RES_MODE=res_mode, GELU=gelu, HEAD_DIM=head_dim,
+        COLUMN_OUT_SCALE=out_scale is not None and out_scale.numel() > 1 and code == 1,
+        COLUMN_RES_SCALE=column_res, EVEN_K=(k % bk == 0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, INTERPRET=INTERPRET,
         num_warps=warps, num_stages=stages,
     )
@@ -340,8 +365,8 @@ def int8_attention(
 @triton.jit
 def _layernorm_quant_kernel(
     y_ptr, gamma_ptr, beta_ptr, out16_ptr, out8_ptr,
-    M, N, stride_y, out_scale, eps,
-    WRITE_FP16: tl.constexpr, WRITE_INT8: tl.constexpr,
+    M, N, stride_y, out_scale, out_scale_vec_ptr, eps,
+    WRITE_FP16: tl.constexpr, WRITE_INT8: tl.constexpr, COLUMN_SCALE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -363,14 +388,23 @@ def _layernorm_quant_kernel(
         tl.store(out16_ptr + offs, o16, mask=mask)
         o = o16.to(tl.float32)
     if WRITE_INT8:
-        q = to_int8_sat(tl.math.div_rn(o, out_scale + tl.zeros_like(o)))
+        if COLUMN_SCALE:
+            col_scale = tl.load(out_scale_vec_ptr + cols, mask=col_ok, other=1.0)
+            q = to_int8_sat(tl.math.div_rn(o, col_scale[None, :] + tl.zeros_like(o)))
+        else:
+            q = to_int8_sat(tl.math.div_rn(o, out_scale + tl.zeros_like(o)))
         tl.store(out8_ptr + offs, q, mask=mask)
 
 
 def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
-                    out_scale: float | None, write_fp16: bool):
-    """Row LayerNorm of fp16 y [M, N]; returns (fp16 or None, int8 or None)."""
+                    out_scale: float | torch.Tensor | None, write_fp16: bool):
+    """Row LayerNorm of fp16 y [M, N]; returns (fp16 or None, int8 or None). out_scale: a float (per
+    tensor), float32 [N] (per column: a smoothing factor folded into the consumer's weight), or None."""
     m, n = y.shape
+    column = isinstance(out_scale, torch.Tensor)
+    if column and (out_scale.dtype != torch.float32 or out_scale.numel() != n or not out_scale.is_contiguous()):
+        raise ValueError(f"out_scale: expected a float or a contiguous float32 tensor of N={n} elements, got "
+                         f"{out_scale.dtype} {tuple(out_scale.shape)}")
     block_n = triton.next_power_of_2(n)
     rows = max(1, min(16, _table(y.device)["layernorm_rows_budget"] // block_n))
     out16 = torch.empty((m, n), dtype=torch.float16, device=y.device) if write_fp16 else None
@@ -378,8 +412,9 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     warps = 4 if rows * block_n <= 4096 else 8
     _layernorm_quant_kernel[(triton.cdiv(m, rows),)](
         y, gamma, beta, out16 if out16 is not None else y, out8 if out8 is not None else y,
-        m, n, y.stride(0), float(out_scale or 1.0), float(eps),
-        WRITE_FP16=write_fp16, WRITE_INT8=out_scale is not None,
+        m, n, y.stride(0), 1.0 if column or out_scale is None else float(out_scale),
+        out_scale if column else gamma, float(eps),
+        WRITE_FP16=write_fp16, WRITE_INT8=out_scale is not None, COLUMN_SCALE=column,
         ROWS=rows, BLOCK_N=block_n, INTERPRET=INTERPRET, num_warps=warps,
     )
     return out16, out8
