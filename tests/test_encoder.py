@@ -97,6 +97,28 @@ def test_gemm_requant_per_column_scale(m):
     assert not torch.equal(ref, per_tensor)  # the column scales are really used
 
 
+@pytest.mark.parametrize("kind", ["qkv", "requant"])
+def test_gemm_reciprocal_requant_within_one_code(kind):
+    # the epilogue variant that multiplies by 1 / s_out: a true division's codes except at rounding ties
+    m, k = 37, 96
+    n = 3 * 64 if kind == "qkv" else 128
+    a, w = u.int8(m, k), u.int8(n, k)
+    w_scale, bias = torch.rand(n) * 0.01 + 0.002, torch.randn(n)
+    kwargs = dict(out_scale=(torch.rand(n) * 0.08 + 0.01).float())
+    if kind == "qkv":
+        kwargs.update(heads=2, head_dim=32, vt_stride=m)
+    else:
+        kwargs.update(gelu=True)
+    ref = enc.reference_int8_gemm(a, w, 0.02, w_scale, bias, kind, **kwargs)
+    with ops.backend("triton"):
+        out = ke.int8_gemm(a, w, 0.02, w_scale, bias, kind, reciprocal=True, config=(32, 64, 32, 4, 2), **kwargs)
+    if kind == "qkv":
+        u.assert_int8_close(out[0], ref[0])
+        u.assert_int8_close(out[1], ref[1])
+    else:
+        u.assert_int8_close(out, ref)
+
+
 @pytest.mark.parametrize("m", [1, 31, 127])
 def test_gemm_int8_residual_per_column_scale(m):
     n, k = 64, 96

@@ -54,6 +54,10 @@ ENCODER_CONFIGS = {
         ],
         "attention": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
         "layernorm_rows_budget": 4096,
+        # requantizing epilogues multiply by 1 / s_out (one division per column) instead of dividing every
+        # element; results differ from a true division only at rounding ties (the tests allow one code
+        # there). Off until a GPU sweep (benchmarks/tune_encoder.py) shows it pays.
+        "reciprocal_requant": False,
     },
     "default": {
         "gemm": [
@@ -62,6 +66,7 @@ ENCODER_CONFIGS = {
         ],
         "attention": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
         "layernorm_rows_budget": 2048,
+        "reciprocal_requant": False,
     },
 }
 
@@ -76,12 +81,23 @@ def _table(device: torch.device) -> dict:
 # int8 GEMM with fused epilogues
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
+def _requant(v, scale, RECIPROCAL: tl.constexpr):
+    """v / scale, rounded to float32: a true division, or v times the float32 reciprocal of the scale
+    (computed once per scale, not per element)."""
+    if RECIPROCAL:
+        v = v * (1.0 / scale)
+    else:
+        v = tl.math.div_rn(v, scale + tl.zeros_like(v))
+    return v
+
+
+@triton.jit
 def _int8_gemm_kernel(
     a_ptr, w_ptr, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
     M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt,
     a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
     EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
-    COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr,
+    COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr, RECIPROCAL: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -142,11 +158,11 @@ def _int8_gemm_kernel(
             out_scale = tl.load(out_scale_ptr + rn, mask=n_ok, other=1.0)[None, :]
         else:
             out_scale = tl.load(out_scale_ptr)
-        q = to_int8_sat(tl.math.div_rn(v, out_scale + tl.zeros_like(v)))
+        q = to_int8_sat(_requant(v, out_scale, RECIPROCAL))
         tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], q, mask=mask)
     else:
         out_scale = tl.load(out_scale_ptr + rn, mask=n_ok, other=1.0)
-        q = to_int8_sat(tl.math.div_rn(v, out_scale[None, :] + tl.zeros_like(v)))
+        q = to_int8_sat(_requant(v, out_scale[None, :], RECIPROCAL))
         which = rn // HIDDEN
         within = rn - which * HIDDEN
         head = within // HEAD_DIM
@@ -188,8 +204,13 @@ def int8_gemm(
     heads: int = 1,
     head_dim: int = 1,
     vt_stride: int | None = None,
+    config: tuple | None = None,
+    reciprocal: bool | None = None,
 ):
     """Launch `acc = a @ w.T` (int8 [M, K] x int8 [N, K]) with the named epilogue (module docstring).
+
+    config (block_m, block_n, block_k, num_warps, num_stages) and reciprocal override the table (for
+    benchmarks/tune_encoder.py).
 
     out_scale: float32 [1] (per tensor) or [N] (per output column: "qkv", and "requant" when the consumer
     of the int8 output folds a per-channel smoothing factor into its weight). residual_scale: a float, or
@@ -224,7 +245,9 @@ def int8_gemm(
                          f"got {w.shape[0]}")
     m, k = a.shape
     dev = a.device
-    bm, bn, bk, warps, stages = _pick_gemm_tile(dev, m, n, k)
+    bm, bn, bk, warps, stages = config if config is not None else _pick_gemm_tile(dev, m, n, k)
+    if reciprocal is None:
+        reciprocal = _table(dev)["reciprocal_requant"]
     code = _EPILOGUES[epilogue]
     hidden = n // 3 if code == 2 else n
     vt = a  # placeholder pointer when unused
@@ -250,7 +273,7 @@ def int8_gemm(
         hidden,
         EPILOGUE=code, RES_MODE=res_mode, GELU=gelu, HEAD_DIM=head_dim,
         COLUMN_OUT_SCALE=out_scale is not None and out_scale.numel() > 1 and code == 1,
-        COLUMN_RES_SCALE=column_res, EVEN_K=(k % bk == 0),
+        COLUMN_RES_SCALE=column_res, RECIPROCAL=bool(reciprocal), EVEN_K=(k % bk == 0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, INTERPRET=INTERPRET,
         num_warps=warps, num_stages=stages,
     )
@@ -337,11 +360,13 @@ def int8_attention(
     v_scale: float,
     p_scale: float,
     out_scale: float,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Attention over packed sequences. qk [2, heads, T, d] int8, vt [heads, d, T_v] int8,
-    cu_seqlens int32 [B + 1], key_mask int8 [T] (nonzero = attend) or None. Returns int8 [T, heads * d]."""
+    cu_seqlens int32 [B + 1], key_mask int8 [T] (nonzero = attend) or None. Returns int8 [T, heads * d].
+    config (block_m, block_n, num_warps, num_stages) overrides the table (benchmarks/tune_encoder.py)."""
     _, heads, t, head_dim = qk.shape
-    cfg = _table(qk.device)["attention"]
+    cfg = config or _table(qk.device)["attention"]
     bm = cfg["block_m"]
     bn = cfg["block_n"]
     out = torch.empty((t, heads * head_dim), dtype=torch.int8, device=qk.device)

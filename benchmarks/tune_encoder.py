@@ -1,0 +1,264 @@
+"""Where the INT8 encoder's time goes, and which launch configurations fix it (a GPU dev tool that feeds
+ENCODER_CONFIGS in quantfuse/kernels/encoder.py; not part of the suite).
+
+Three parts, one run (stops early at TUNE_BUDGET_S seconds, default 480, and still writes its results):
+1. profile: torch.profiler over BERT-base forwards (random weights, full-length sequences, padded path)
+   at 32x128 and 128x128 tokens, for the Int8Encoder (modes 1 and 2) and HF fp16 SDPA; CUDA time per
+   kernel name, summed over the layers. Tells which fused kernel is slower than its fp16 counterpart.
+2. gemm: each of the layer's four int8 GEMMs with its own epilogue (qkv head split + requant, residual,
+   GELU + requant, residual) at M in {4096, 16384} over a grid of tiles, with and without the
+   reciprocal requantization; peers in the same run: torch._int_mm (int32 out, no epilogue) and fp16
+   F.linear of the same shape. TOPS counts 2*M*N*K.
+3. attention: the fused int8 attention at (batch, seq) in {(128, 128), (32, 384)} over block sizes,
+   warps and stages; peer: F.scaled_dot_product_attention in fp16 on [B, heads, S, 64].
+
+Writes tune_encoder.json (rows with part, shape, config, us, and the peers' us). `--dry-run` lists the
+candidates and runs one of each on CPU under the interpreter with tiny shapes.
+Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_encoder.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+BUDGET_S = float(os.environ.get("TUNE_BUDGET_S", "480"))
+HIDDEN, HEADS, INTER, LAYERS = 768, 12, 3072, 12
+GEMMS = [("qkv", 3 * HIDDEN, HIDDEN), ("o", HIDDEN, HIDDEN), ("fc1", INTER, HIDDEN), ("fc2", HIDDEN, INTER)]
+GEMM_M = [4096, 16384]
+GEMM_TILES = [
+    # (block_m, block_n, block_k, num_warps, num_stages)
+    (128, 256, 128, 8, 3), (128, 256, 64, 8, 4), (128, 128, 128, 8, 4), (128, 128, 64, 4, 4),
+    (128, 128, 128, 4, 3), (64, 256, 128, 4, 3), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4),
+    (256, 128, 64, 8, 3), (64, 64, 128, 4, 4),
+]
+ATTN_SHAPES = [(128, 128), (32, 384)]
+ATTN_CONFIGS = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+                for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3))
+                if not (bm == 128 and w == 4 and bn == 128)]
+
+
+def candidates():
+    gemm = [(name, m, n, k, tile, recip) for name, n, k in GEMMS for m in GEMM_M for tile in GEMM_TILES
+            for recip in ((False, True) if name in ("qkv", "fc1") else (False,))]
+    attn = [(b, s, cfg) for b, s in ATTN_SHAPES for cfg in ATTN_CONFIGS]
+    return gemm, attn
+
+
+def gemm_call(name, a, w, w_scale, bias, out_scale, residual, tile, recip):
+    from quantfuse.kernels import encoder as ke
+
+    if name == "qkv":
+        head_dim = HIDDEN // HEADS
+        return ke.int8_gemm(a, w, 0.02, w_scale, bias, "qkv", out_scale=out_scale, heads=w.shape[0] // 3 // head_dim,
+                            head_dim=head_dim, config=tile, reciprocal=recip)
+    if name == "fc1":
+        return ke.int8_gemm(a, w, 0.02, w_scale, bias, "requant", out_scale=out_scale, gelu=True, config=tile,
+                            reciprocal=recip)
+    return ke.int8_gemm(a, w, 0.02, w_scale, bias, "residual", residual=residual, config=tile)
+
+
+def gemm_inputs(name, m, n, k, device):
+    a = torch.randint(-128, 128, (m, k), dtype=torch.int8, device=device)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=device)
+    w_scale = (torch.rand(n, device=device) * 0.01 + 0.002).float()
+    bias = torch.randn(n, device=device).float()
+    out_scale = (torch.rand(n, device=device) * 0.5 + 0.5).float()
+    residual = torch.randn(m, n, device=device).half() if name in ("o", "fc2") else None
+    return a, w, w_scale, bias, out_scale, residual
+
+
+def attention_inputs(batch, seq, device):
+    t = batch * seq
+    d = HIDDEN // HEADS
+    qk = torch.randint(-128, 128, (2, HEADS, t, d), dtype=torch.int8, device=device)
+    vt = torch.randint(-128, 128, (HEADS, d, t), dtype=torch.int8, device=device)
+    cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=device)
+    return qk, vt, cu
+
+
+def attention_call(qk, vt, cu, seq, cfg):
+    from quantfuse.kernels import encoder as ke
+
+    return ke.int8_attention(qk, vt, cu, seq, None, 0.02, 3.0 / (74 * 74 * 0.02), 0.05, 1.0 / 127, 0.1, config=cfg)
+
+
+def profile_forwards(rows, deadline):
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_encoder import BERT_BASE, build_model, random_inputs
+    from quantfuse.encoder import Int8Encoder
+
+    torch.manual_seed(0)
+    model = build_model(BERT_BASE, "cuda", torch.float16)
+    calib = [random_inputs(8, 128, BERT_BASE["vocab_size"], "cuda") for _ in range(2)]
+    encoders = {f"mode{m}": Int8Encoder.from_hf(model, calib, mode=m, calibrator="max") for m in (1, 2)}
+    for batch, seq in ((32, 128), (128, 128)):
+        ids, mask = random_inputs(batch, seq, BERT_BASE["vocab_size"], "cuda")
+        runs = {"hf_fp16": lambda: model(input_ids=ids, attention_mask=mask)}
+        for key, e in encoders.items():
+            runs[key] = (lambda e=e: e(ids, mask, remove_padding=False))
+        for key, fn in runs.items():
+            if time.perf_counter() > deadline:
+                return
+            with torch.no_grad():
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        fn()
+                    torch.cuda.synchronize()
+            total = 0.0
+            kernels = []
+            for evt in prof.key_averages():
+                us = getattr(evt, "device_time_total", None)
+                if us is None:
+                    us = getattr(evt, "cuda_time_total", 0.0)
+                if us <= 0 or evt.key.startswith(("ProfilerStep", "cuda")):
+                    continue
+                kernels.append((evt.key, us / 5, evt.count // 5))
+                total += us / 5
+            kernels.sort(key=lambda r: -r[1])
+            print(f"--- profile {key} {batch}x{seq}: {total:.0f} us of kernels per forward", flush=True)
+            for name, us, count in kernels[:12]:
+                print(f"  {us:9.1f} us  x{count:<4d} {name[:100]}")
+                rows.append(dict(part="profile", model=key, batch=batch, seq=seq, kernel=name[:160],
+                                 us_per_forward=round(us, 1), calls_per_forward=count))
+            rows.append(dict(part="profile", model=key, batch=batch, seq=seq, kernel="TOTAL",
+                             us_per_forward=round(total, 1)))
+
+
+def tune_gemms(rows, deadline, dry):
+    import triton
+
+    gemm_cands, _ = candidates()
+    device = "cpu" if dry else "cuda"
+    done = set()
+    peers = {}
+    for name, m, n, k, tile, recip in gemm_cands:
+        if dry:
+            m, n, k = 33, min(n, 192), 64
+            if (name, recip) in done:
+                continue
+            done.add((name, recip))
+            tile = (32, 64, 32, 4, 2)
+        if time.perf_counter() > deadline:
+            print("budget reached in the gemm sweep", flush=True)
+            return
+        inputs = gemm_inputs(name, m, n, k, device)
+        if dry:
+            gemm_call(name, *inputs, tile, recip)
+            print("dry gemm", name, recip, "ok", flush=True)
+            continue
+        key = (name, m)
+        if key not in peers:
+            a, w = inputs[0], inputs[1]
+            a16 = torch.randn(m, k, device=device, dtype=torch.float16)
+            w16 = torch.randn(n, k, device=device, dtype=torch.float16)
+            peers[key] = dict(
+                int_mm_us=1e3 * triton.testing.do_bench(lambda: torch._int_mm(a, w.t()), warmup=10, rep=40),
+                fp16_us=1e3 * triton.testing.do_bench(lambda: F.linear(a16, w16), warmup=10, rep=40),
+            )
+        try:
+            us = 1e3 * triton.testing.do_bench(lambda: gemm_call(name, *inputs, tile, recip), warmup=10, rep=40)
+        except Exception as err:  # noqa: BLE001 -- a tile the compiler rejects (resources) is skipped
+            print(f"gemm {name} M={m} {tile} failed: {type(err).__name__}", flush=True)
+            continue
+        tops = 2 * m * n * k / (us * 1e-6) / 1e12
+        row = dict(part="gemm", gemm=name, M=m, N=n, K=k, tile=str(tile), reciprocal=recip, us=round(us, 1),
+                   tops=round(tops, 1), **{p: round(v, 1) for p, v in peers[key].items()})
+        row["vs_fp16"] = round(peers[key]["fp16_us"] / us, 3)
+        row["vs_int_mm"] = round(peers[key]["int_mm_us"] / us, 3)
+        rows.append(row)
+    if not dry:
+        print("best gemm tiles:")
+        for name, _, _ in GEMMS:
+            for m in GEMM_M:
+                cands = [r for r in rows if r.get("part") == "gemm" and r["gemm"] == name and r["M"] == m]
+                if cands:
+                    b = min(cands, key=lambda r: r["us"])
+                    print(f"  {name:4s} M={m:6d}: {b['tile']} recip={b['reciprocal']} {b['us']} us {b['tops']} TOPS "
+                          f"(fp16 {b['fp16_us']} us, int_mm {b['int_mm_us']} us)")
+
+
+def tune_attention(rows, deadline, dry):
+    import triton
+
+    _, attn_cands = candidates()
+    device = "cpu" if dry else "cuda"
+    peers = {}
+    for batch, seq, cfg in attn_cands:
+        if dry:
+            batch, seq = 2, 40
+            cfg = dict(block_m=32, block_n=32, num_warps=4, num_stages=1)
+            if peers:
+                continue
+            peers["done"] = True
+        if time.perf_counter() > deadline:
+            print("budget reached in the attention sweep", flush=True)
+            return
+        qk, vt, cu = attention_inputs(batch, seq, device)
+        if dry:
+            attention_call(qk, vt, cu, seq, cfg)
+            print("dry attention ok", flush=True)
+            continue
+        if (batch, seq) not in peers:
+            q, k, v = (torch.randn(batch, HEADS, seq, HIDDEN // HEADS, device=device, dtype=torch.float16)
+                       for _ in range(3))
+            peers[(batch, seq)] = 1e3 * triton.testing.do_bench(
+                lambda: F.scaled_dot_product_attention(q, k, v), warmup=10, rep=40)
+        try:
+            us = 1e3 * triton.testing.do_bench(lambda: attention_call(qk, vt, cu, seq, cfg), warmup=10, rep=40)
+        except Exception as err:  # noqa: BLE001
+            print(f"attention {batch}x{seq} {cfg} failed: {type(err).__name__}", flush=True)
+            continue
+        rows.append(dict(part="attention", batch=batch, seq=seq, cfg=str(cfg), us=round(us, 1),
+                         sdpa_fp16_us=round(peers[(batch, seq)], 1),
+                         vs_sdpa=round(peers[(batch, seq)] / us, 3)))
+    if not dry:
+        for batch, seq in ATTN_SHAPES:
+            cands = [r for r in rows if r.get("part") == "attention" and r["batch"] == batch and r["seq"] == seq]
+            if cands:
+                b = min(cands, key=lambda r: r["us"])
+                print(f"best attention {batch}x{seq}: {b['cfg']} {b['us']} us (sdpa fp16 {b['sdpa_fp16_us']} us)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="list candidates; run one of each on CPU")
+    parser.add_argument("--parts", default="profile,gemm,attention")
+    args = parser.parse_args(argv)
+    gemm_cands, attn_cands = candidates()
+    print(f"{len(gemm_cands)} gemm candidates, {len(attn_cands)} attention candidates, budget {BUDGET_S:.0f} s")
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    t0 = time.perf_counter()
+    deadline = t0 + BUDGET_S
+    rows = []
+    parts = args.parts.split(",")
+    if "profile" in parts and not args.dry_run:
+        profile_forwards(rows, t0 + BUDGET_S * 0.3)
+    if "gemm" in parts:
+        tune_gemms(rows, t0 + BUDGET_S * 0.8, args.dry_run)
+    if "attention" in parts:
+        tune_attention(rows, deadline, args.dry_run)
+    print(f"done in {time.perf_counter() - t0:.0f} s")
+    if not args.dry_run:
+        from common import write_result
+
+        write_result("tune_encoder", "INT8 encoder: kernel profile, GEMM tile and attention sweeps (dev)", rows,
+                     columns=sorted({c for r in rows for c in r}))
+
+
+if __name__ == "__main__":
+    main()
