@@ -23,7 +23,9 @@ import quantfuse as qf  # noqa: E402
 HIDDEN, INTER, HEADS, KV_HEADS = 4096, 14336, 32, 8
 SCHEMES = {
     "int8_dynamic": lambda: qf.Int8DynamicConfig(),
+    "int8_dynamic_unfused": lambda: qf.Int8DynamicConfig(fuse_gated_mlp=False),
     "fp8_dynamic": lambda: qf.Fp8DynamicConfig(),
+    "fp8_dynamic_unfused": lambda: qf.Fp8DynamicConfig(fuse_gated_mlp=False),
     "fp8_block": lambda: qf.Fp8BlockConfig(),
     "int4_weight_only": lambda: qf.Int4WeightOnlyConfig(group_size=128),
     "int8_weight_only": lambda: qf.Int8WeightOnlyConfig(),
@@ -82,7 +84,7 @@ def main():
             if all(n in mods for n in LINEARS) and all(hasattr(mods[n], "forward") for n in LINEARS):
                 lin_t = time_ms(lambda x, xi, _m=mods: [_m[n](xi if n.endswith("down_proj") else x) for n in LINEARS],
                                 lin_inputs, graph=graph)
-            else:  # fused gated MLP (fp8_block): its projections are one module
+            else:  # fused gated MLP (fp8_block, int8/fp8_dynamic): its projections are one module
                 lin_t = float("nan")
             with torch.no_grad():
                 layer_t = time_ms(layer_fn(layer, rope), inputs, graph=graph)
@@ -96,7 +98,8 @@ def main():
     print_table(rows)
     write_result("model_layer", "Llama-3-8B decoder layer: bf16 vs quantfuse schemes (H100)", rows,
                  notes="Decode: batch b, one token per sequence, no KV cache, CUDA graphs. Prefill: 2048 tokens, "
-                       "eager and under a CUDA graph. linears = the seven projections alone (fp8_block fuses the MLP, so n/a there).")
+                       "eager and under a CUDA graph. linears = the seven projections alone (n/a where the gated MLP is fused: "
+                       "fp8_block, int8_dynamic, fp8_dynamic; the *_unfused rows run the same scheme layer by layer).")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from quantfuse.checkpoint import load_quantized, save_quantized
 from quantfuse.quantize_api import (
     CONFIGS,
     Fp8BlockConfig,
+    Fp8DynamicConfig,
     Int4WeightOnlyConfig,
     Int8DynamicConfig,
     Int8StaticConfig,
@@ -68,7 +69,8 @@ def sequential():
 ALL_CONFIGS = [
     Int8DynamicConfig(), Int8StaticConfig(), Int8StaticConfig(calibrator="percentile"),
     Int8StaticConfig(calibrator="mse", symmetric=False), Int8StaticConfig(calibrator="entropy"),
-    config_for_scheme("fp8_dynamic"), Fp8BlockConfig(), Fp8BlockConfig(fuse_gated_mlp=False),
+    Int8DynamicConfig(fuse_gated_mlp=False), config_for_scheme("fp8_dynamic"), Fp8DynamicConfig(fuse_gated_mlp=False),
+    Fp8BlockConfig(), Fp8BlockConfig(fuse_gated_mlp=False),
     Int4WeightOnlyConfig(), Int4WeightOnlyConfig(group_size=64, symmetric=False),
     Int4WeightOnlyConfig(algorithm="gptq"), Int8WeightOnlyConfig(), Int8WeightOnlyConfig(algorithm="gptq"),
 ]
@@ -106,25 +108,56 @@ def test_quantize_tiny_llama_every_config(config):
     quantize_(model, config, calibration_data=_ids() if config.needs_calibration else None, progress=False)
     assert isinstance(model.lm_head, nn.Linear)  # skipped by default
     assert isinstance(model.embed_tokens, nn.Embedding)
-    fused = isinstance(config, Fp8BlockConfig) and config.fuse_gated_mlp
+    fused = {Fp8BlockConfig: qm.Fp8BlockGatedMLP, Int8DynamicConfig: qm.Int8DynamicGatedMLP,
+             Fp8DynamicConfig: qm.Fp8DynamicGatedMLP}.get(type(config)) if getattr(config, "fuse_gated_mlp", False) else None
     for layer in model.layers:
         assert isinstance(layer.q_proj, qm.QuantizedLinear)
         if fused:
-            assert isinstance(layer.mlp, qm.Fp8BlockGatedMLP)
+            assert type(layer.mlp) is fused
         else:
             assert isinstance(layer.mlp.down_proj, qm.QuantizedLinear)
     assert _cos(model(ids), expected) > 0.97
 
 
-def test_fused_gated_mlp_matches_unfused():
+@pytest.mark.parametrize("config_cls", [Fp8BlockConfig, Int8DynamicConfig, Fp8DynamicConfig])
+def test_fused_gated_mlp_matches_unfused(config_cls):
     torch.manual_seed(0)
     a = TinyLlama().eval()
     b = TinyLlama().eval()
     b.load_state_dict(a.state_dict())
-    quantize_(a, Fp8BlockConfig(), progress=False)
-    quantize_(b, Fp8BlockConfig(fuse_gated_mlp=False), progress=False)
+    quantize_(a, config_cls(), progress=False)
+    quantize_(b, config_cls(fuse_gated_mlp=False), progress=False)
+    assert isinstance(a.layers[0].mlp, qm.GatedMLP) and not isinstance(b.layers[0].mlp, qm.GatedMLP)
     ids = torch.randint(0, 64, (2, 5))
     assert _cos(a(ids), b(ids)) > 0.999
+
+
+@pytest.mark.parametrize("layer_cls,mlp_cls", [(qm.Int8DynamicLinear, qm.Int8DynamicGatedMLP),
+                                               (qm.Fp8DynamicLinear, qm.Fp8DynamicGatedMLP)])
+def test_dynamic_gated_mlp_is_the_per_token_pipeline(layer_cls, mlp_cls):
+    # the fused module computes exactly: x quantized per token once, one stacked gate|up GEMM, silu(g) * u
+    # in float32 quantized per token, the down GEMM -- compared with those ops called one by one
+    torch.manual_seed(2)
+    mlp = GatedMLP(128, 96)
+    with torch.no_grad():
+        mlp.gate_proj.bias = nn.Parameter(torch.randn(96))  # one bias: the stacked bias pads up's with zeros
+    fused = mlp_cls.from_mlp(mlp)
+    x = torch.randn(2, 5, 128)
+    g, u, d = (layer_cls.from_linear(getattr(mlp, p)) for p in ("gate_proj", "up_proj", "down_proj"))
+    rows = x.reshape(-1, 128)
+    q, s = g.quantize_input(rows)
+    gu = torch.cat([g.matmul_quantized(q, s, torch.float32), u.matmul_quantized(q, s, torch.float32)], dim=1)
+    h_q, h_s = qf.silu_and_mul_quant(gu, layer_cls.qdtype)
+    expected = d.matmul_quantized(h_q, h_s, torch.float32).reshape(2, 5, 128)
+    torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-5)
+    assert _cos(fused(x), mlp(x)) > 0.99
+    # split_layers gives back the three layers bit for bit
+    parts = fused.split_layers()
+    for name, layer in (("gate_proj", g), ("up_proj", u), ("down_proj", d)):
+        assert torch.equal(parts[name].weight.view(torch.int8), layer.weight.view(torch.int8))
+        assert torch.equal(parts[name].weight_scale, layer.weight_scale)
+    with pytest.raises(TypeError, match="gate_up_proj: expected a"):
+        mlp_cls(qm.Fp8BlockLinear.from_linear(nn.Linear(128, 256)), d)
 
 
 def test_skip_and_overrides():

@@ -22,7 +22,7 @@ from typing import Dict, Optional, Union
 import torch
 from torch import nn
 
-from .modules import MODULE_CLASSES, Fp8BlockGatedMLP, QuantizedLinear
+from .modules import GATED_MLP_CLASSES, MODULE_CLASSES, GatedMLP, QuantizedLinear
 
 TENSORS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -40,7 +40,7 @@ def _flat_layers(model: nn.Module) -> Dict[str, QuantizedLinear]:
     """Every quantized layer as the checkpoint sees it (fused MLPs split into their three layers)."""
     flat: Dict[str, QuantizedLinear] = {}
     for name, module in _quantized_layers(model).items():
-        if isinstance(module, Fp8BlockGatedMLP):
+        if isinstance(module, GatedMLP):
             for sub, layer in module.split_layers().items():
                 flat[f"{name}.{sub}" if name else sub] = layer
         else:
@@ -113,8 +113,8 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike]) -> str:
 
     modules = {}
     for name, module in layers.items():
-        if isinstance(module, Fp8BlockGatedMLP):
-            modules[name] = {"class": "Fp8BlockGatedMLP",
+        if isinstance(module, GatedMLP):
+            modules[name] = {"class": type(module).__name__,
                              "layers": {sub: layer.checkpoint_meta() for sub, layer in module.split_layers().items()}}
         else:
             modules[name] = module.checkpoint_meta()
@@ -207,10 +207,10 @@ def load_quantized(directory: Union[str, os.PathLike], model_skeleton_or_hf_dir:
 
     prefixes = []
     for name, meta in info["modules"].items():
-        if meta.get("class") == "Fp8BlockGatedMLP":
+        if meta.get("class") in GATED_MLP_CLASSES:
             subs = {sub: _build_layer(m, tensors, f"{name}.{sub}" if name else sub)
                     for sub, m in meta["layers"].items()}
-            new = Fp8BlockGatedMLP.from_layers(subs["gate_proj"], subs["up_proj"], subs["down_proj"])
+            new = GATED_MLP_CLASSES[meta["class"]].from_layers(subs["gate_proj"], subs["up_proj"], subs["down_proj"])
         else:
             new = _build_layer(meta, tensors, name)
         try:

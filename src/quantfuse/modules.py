@@ -301,9 +301,20 @@ class Int8DynamicLinear(_ScaledMMLinear):
         q, s = quantize_weight_per_channel(linear.weight, cls.qdtype)
         return cls(q, s, linear.bias)
 
+    def quantize_input(self, x2d: Tensor):
+        q, scale, _ = ops.quantize_per_token(x2d, self.qdtype)
+        return q, scale
+
+    def quantize_silu_and_mul(self, gate_up: Tensor):
+        """This layer's input silu(g) * u from [g | u], quantized per token in one pass."""
+        return ops.silu_and_mul_quant(gate_up, self.qdtype)
+
+    def matmul_quantized(self, q: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+        return self._mm(q, scale, out_dtype)
+
     def forward(self, x: Tensor) -> Tensor:
         out_dtype = _out_dtype(x)
-        q, scale, _ = ops.quantize_per_token(_rows(x), self.qdtype)
+        q, scale = self.quantize_input(_rows(x))
         return self._mm(q, scale, out_dtype).reshape(*x.shape[:-1], self.out_features)
 
     def ct_scheme(self):
@@ -423,6 +434,10 @@ class Fp8BlockLinear(QuantizedLinear):
         q, scales, _ = ops.quantize_per_group(x2d, FP8, BLOCK, transposed_scales=True)
         return q, scales
 
+    def quantize_silu_and_mul(self, gate_up: Tensor):
+        """This layer's input silu(g) * u from [g | u]: fp8 codes and 1x128 group scales (transposed)."""
+        return ops.silu_and_mul_quant(gate_up, FP8, group_size=BLOCK, transposed_scales=True)
+
     def matmul_quantized(self, q: Tensor, scales: Tensor, out_dtype: torch.dtype) -> Tensor:
         return ops.scaled_mm_blockwise(q, self.weight.t(), scales, self.scale_b, out_dtype=out_dtype, bias=self.bias)
 
@@ -446,70 +461,108 @@ class Fp8BlockLinear(QuantizedLinear):
                 "input_activations": _ct_args(8, "float", "group", dynamic=True, group_size=BLOCK)}
 
 
-class Fp8BlockGatedMLP(nn.Module):
-    """A gated MLP (Llama: down(silu(gate(x)) * up(x))) on fp8 block scaling with the fused activation.
+def _stacked_bias(gate: nn.Module, up: nn.Module) -> Optional[Tensor]:
+    if gate.bias is None and up.bias is None:
+        return None
+    return torch.cat([gate.bias if gate.bias is not None else torch.zeros_like(up.bias),
+                      up.bias if up.bias is not None else torch.zeros_like(gate.bias)])
 
-    gate and up share one GEMM (their weights stacked: [gate; up] -> [2H, K]) whose output [M, 2H] =
-    [g | u] goes straight into `silu_and_mul_quant`, which computes silu(g) * u in float32 and emits the
-    fp8 codes and 1x128 group scales (transposed layout) that the down projection's blockwise GEMM reads:
-    the activation never makes a round trip in 16-bit precision. H must be a multiple of 128 so no weight
-    block straddles gate and up. Checkpoints hold gate_proj / up_proj / down_proj as separate layers."""
 
-    scheme = "fp8_block"
+class GatedMLP(nn.Module):
+    """A gated MLP (Llama: down(silu(gate(x)) * up(x))) with the activation fused into the quantization.
 
-    def __init__(self, gate_up_proj: Fp8BlockLinear, down_proj: Fp8BlockLinear):
+    gate and up share one GEMM (weights and their scales stacked: [gate; up] -> [2H, K]); its output
+    [M, 2H] = [g | u] goes straight into `silu_and_mul_quant`, which computes silu(g) * u in float32 and
+    emits the codes and scales the down projection's GEMM reads, so the activation never makes a round
+    trip in 16-bit precision and x is quantized once for both gate and up. The three projections are layers
+    of one class (`layer_class`) with quantize_input / matmul_quantized / quantize_silu_and_mul.
+    Checkpoints hold gate_proj / up_proj / down_proj as separate layers."""
+
+    layer_class: type = nn.Module
+
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module):
         super().__init__()
-        if gate_up_proj.out_features % (2 * BLOCK) != 0:
-            raise ValueError(f"gate_up_proj: the hidden size must be a multiple of {BLOCK}, "
-                             f"got {gate_up_proj.out_features // 2}")
+        for name, layer in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+            if type(layer) is not self.layer_class:  # exact: fp8 layers subclass the int8 ones
+                raise TypeError(f"{name}: expected a {self.layer_class.__name__}, got {type(layer).__name__}")
+        if gate_up_proj.out_features % 2 or gate_up_proj.out_features // 2 != down_proj.in_features:
+            raise ValueError(f"gate_up_proj: expected 2 x down_proj.in_features = {2 * down_proj.in_features} "
+                             f"outputs, got {gate_up_proj.out_features}")
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
         self.hidden = gate_up_proj.out_features // 2
 
+    @property
+    def scheme(self) -> str:
+        return self.down_proj.scheme
+
     @classmethod
-    def from_mlp(cls, mlp: nn.Module) -> "Fp8BlockGatedMLP":
+    def from_mlp(cls, mlp: nn.Module) -> "GatedMLP":
         for name in ("gate_proj", "up_proj", "down_proj"):
             _check_linear(getattr(mlp, name, None), f"mlp.{name}")
-        gate, up = mlp.gate_proj, mlp.up_proj
-        if gate.bias is not None or up.bias is not None:
-            bias = torch.cat([gate.bias if gate.bias is not None else torch.zeros_like(up.bias),
-                              up.bias if up.bias is not None else torch.zeros_like(gate.bias)])
-        else:
-            bias = None
-        if gate.out_features % BLOCK != 0:
-            raise ValueError(f"mlp.gate_proj: out_features must be a multiple of {BLOCK} for the fused MLP, "
-                             f"got {gate.out_features}")
-        q_g, s_g = quantize_weight_blocks(gate.weight)
-        q_u, s_u = quantize_weight_blocks(up.weight)
-        gate_up = Fp8BlockLinear(torch.cat([q_g, q_u]), torch.cat([s_g, s_u]), bias)
-        return cls(gate_up, Fp8BlockLinear.from_linear(mlp.down_proj))
+        return cls.from_layers(*(cls.layer_class.from_linear(getattr(mlp, p))
+                                 for p in ("gate_proj", "up_proj", "down_proj")))
+
+    @classmethod
+    def from_layers(cls, gate: nn.Module, up: nn.Module, down: nn.Module) -> "GatedMLP":
+        gate_up = cls.layer_class(torch.cat([gate.weight, up.weight]), torch.cat([gate.weight_scale, up.weight_scale]),
+                                  _stacked_bias(gate, up))
+        return cls(gate_up, down)
+
+    def split_layers(self) -> Dict[str, nn.Module]:
+        """gate_proj, up_proj, down_proj as separate layers (views of the stacked tensors)."""
+        h = self.hidden
+        gu = self.gate_up_proj
+        scale_rows = gu.weight_scale.shape[0] // 2  # per channel: h; per 128x128 block: h / 128
+        bias = gu.bias
+        gate = self.layer_class(gu.weight[:h], gu.weight_scale[:scale_rows], None if bias is None else bias[:h])
+        up = self.layer_class(gu.weight[h:], gu.weight_scale[scale_rows:], None if bias is None else bias[h:])
+        return {"gate_proj": gate, "up_proj": up, "down_proj": self.down_proj}
 
     def forward(self, x: Tensor) -> Tensor:
         out_dtype = _out_dtype(x)
-        rows = _rows(x)
-        q, scales = self.gate_up_proj.quantize_input(rows)
+        q, scales = self.gate_up_proj.quantize_input(_rows(x))
         gate_up = self.gate_up_proj.matmul_quantized(q, scales, out_dtype)
-        h_q, h_scales = ops.silu_and_mul_quant(gate_up, FP8, group_size=BLOCK, transposed_scales=True)
+        h_q, h_scales = self.down_proj.quantize_silu_and_mul(gate_up)
         y = self.down_proj.matmul_quantized(h_q, h_scales, out_dtype)
         return y.reshape(*x.shape[:-1], self.down_proj.out_features)
 
-    def split_layers(self) -> Dict[str, Fp8BlockLinear]:
-        """gate_proj, up_proj, down_proj as separate modules (views of the stacked tensors)."""
-        h, hb = self.hidden, self.hidden // BLOCK
-        gu = self.gate_up_proj
-        bias = gu.bias
-        gate = Fp8BlockLinear(gu.weight[:h], gu.weight_scale[:hb], None if bias is None else bias[:h])
-        up = Fp8BlockLinear(gu.weight[h:], gu.weight_scale[hb:], None if bias is None else bias[h:])
-        return {"gate_proj": gate, "up_proj": up, "down_proj": self.down_proj}
+
+class Fp8BlockGatedMLP(GatedMLP):
+    """`GatedMLP` on fp8 block scaling: the down projection reads 1x128 fp8 groups (transposed scales).
+    H must be a multiple of 128 so no weight block straddles gate and up."""
+
+    layer_class = Fp8BlockLinear
+
+    def __init__(self, gate_up_proj: Fp8BlockLinear, down_proj: Fp8BlockLinear):
+        if gate_up_proj.out_features % (2 * BLOCK) != 0:
+            raise ValueError(f"gate_up_proj: the hidden size must be a multiple of {BLOCK}, "
+                             f"got {gate_up_proj.out_features // 2}")
+        super().__init__(gate_up_proj, down_proj)
 
     @classmethod
-    def from_layers(cls, gate: Fp8BlockLinear, up: Fp8BlockLinear, down: Fp8BlockLinear) -> "Fp8BlockGatedMLP":
-        bias = None
-        if gate.bias is not None or up.bias is not None:
-            bias = torch.cat([gate.bias if gate.bias is not None else torch.zeros_like(up.bias),
-                              up.bias if up.bias is not None else torch.zeros_like(gate.bias)])
-        return cls(Fp8BlockLinear(torch.cat([gate.weight, up.weight]),
-                                  torch.cat([gate.weight_scale, up.weight_scale]), bias), down)
+    def from_mlp(cls, mlp: nn.Module) -> "Fp8BlockGatedMLP":
+        gate = getattr(mlp, "gate_proj", None)
+        if isinstance(gate, nn.Linear) and gate.out_features % BLOCK != 0:
+            raise ValueError(f"mlp.gate_proj: out_features must be a multiple of {BLOCK} for the fused MLP, "
+                             f"got {gate.out_features}")
+        return super().from_mlp(mlp)
+
+
+class Int8DynamicGatedMLP(GatedMLP):
+    """`GatedMLP` with int8 per-channel weights and per-token activations: x quantized once for gate|up,
+    silu(g) * u quantized per token by `silu_and_mul_quant` for the down projection."""
+
+    layer_class = Int8DynamicLinear
+
+
+class Fp8DynamicGatedMLP(GatedMLP):
+    """`GatedMLP` with fp8 per-channel weights and per-token activations (as `Int8DynamicGatedMLP`)."""
+
+    layer_class = Fp8DynamicLinear
+
+
+GATED_MLP_CLASSES = {cls.__name__: cls for cls in (Fp8BlockGatedMLP, Int8DynamicGatedMLP, Fp8DynamicGatedMLP)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -639,5 +692,6 @@ MODULE_CLASSES = {cls.__name__: cls for cls in
                   (Int8DynamicLinear, Int8StaticLinear, Fp8DynamicLinear, Fp8BlockLinear, WeightOnlyLinear)}
 
 __all__ = ["QuantizedLinear", "Int8DynamicLinear", "Int8StaticLinear", "Fp8DynamicLinear", "Fp8BlockLinear",
-           "Fp8BlockGatedMLP", "WeightOnlyLinear", "quantize_weight_per_channel", "gptq_quantize", "quantize_weight_blocks",
+           "GatedMLP", "Fp8BlockGatedMLP", "Int8DynamicGatedMLP", "Fp8DynamicGatedMLP", "GATED_MLP_CLASSES",
+           "WeightOnlyLinear", "quantize_weight_per_channel", "gptq_quantize", "quantize_weight_blocks",
            "pack_int32", "unpack_int32"]

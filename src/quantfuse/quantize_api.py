@@ -27,7 +27,10 @@ from torch import nn
 from .modules import (
     Fp8BlockGatedMLP,
     Fp8BlockLinear,
+    Fp8DynamicGatedMLP,
     Fp8DynamicLinear,
+    GatedMLP,
+    Int8DynamicGatedMLP,
     Int8DynamicLinear,
     Int8StaticLinear,
     QuantizedLinear,
@@ -82,8 +85,11 @@ class QuantConfig:
 
 @dataclass
 class Int8DynamicConfig(QuantConfig):
-    """INT8 weights per output channel, INT8 activations per token (dynamic)."""
+    """INT8 weights per output channel, INT8 activations per token (dynamic). `fuse_gated_mlp`: gated MLPs
+    (gate_proj/up_proj/down_proj with SiLU) become one `Int8DynamicGatedMLP` (one gate|up GEMM,
+    `silu_and_mul_quant` per token into the down projection)."""
 
+    fuse_gated_mlp: bool = True
     scheme = "int8_dynamic"
 
     def convert(self, linear, stats=None):
@@ -92,8 +98,10 @@ class Int8DynamicConfig(QuantConfig):
 
 @dataclass
 class Fp8DynamicConfig(QuantConfig):
-    """FP8 e4m3 weights per output channel, FP8 activations per token (dynamic)."""
+    """FP8 e4m3 weights per output channel, FP8 activations per token (dynamic). `fuse_gated_mlp` as for
+    `Int8DynamicConfig` (`Fp8DynamicGatedMLP`)."""
 
+    fuse_gated_mlp: bool = True
     scheme = "fp8_dynamic"
 
     def convert(self, linear, stats=None):
@@ -240,7 +248,7 @@ def plan(model: nn.Module, config: QuantConfig) -> Dict[str, QuantConfig]:
     for name, module in model.named_modules():
         if not name:
             continue
-        if isinstance(module, (QuantizedLinear, Fp8BlockGatedMLP)):
+        if isinstance(module, (QuantizedLinear, GatedMLP)):
             continue
         resolved = _resolve(name, config)
         if isinstance(module, nn.Linear):
@@ -366,8 +374,13 @@ def calibrate(model: nn.Module, layer_configs: Dict[str, QuantConfig], calibrati
 # ----------------------------------------------------------------------------------------------------
 # quantize_
 # ----------------------------------------------------------------------------------------------------
-def _gated_mlps(model: nn.Module, chosen: Dict[str, QuantConfig]) -> Dict[str, nn.Module]:
-    """Gated MLPs (Llama-style gate_proj / up_proj / down_proj + SiLU) all mapped to a fusing Fp8BlockConfig."""
+_FUSED_MLP_CLASSES = {Fp8BlockConfig: Fp8BlockGatedMLP, Int8DynamicConfig: Int8DynamicGatedMLP,
+                      Fp8DynamicConfig: Fp8DynamicGatedMLP}
+
+
+def _gated_mlps(model: nn.Module, chosen: Dict[str, QuantConfig]) -> Dict[str, type]:
+    """{name: fused class} of the gated MLPs (Llama-style gate_proj / up_proj / down_proj + SiLU) whose three
+    projections map to one fusing config type (fp8_block, int8_dynamic, fp8_dynamic with fuse_gated_mlp)."""
     found = {}
     for name, module in model.named_modules():
         parts = [getattr(module, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
@@ -378,12 +391,17 @@ def _gated_mlps(model: nn.Module, chosen: Dict[str, QuantConfig]) -> Dict[str, n
             continue
         prefix = f"{name}." if name else ""
         cfgs = [chosen.get(prefix + p) for p in ("gate_proj", "up_proj", "down_proj")]
-        if not all(isinstance(c, Fp8BlockConfig) and c.fuse_gated_mlp for c in cfgs):
+        kinds = {type(c) for c in cfgs}
+        if len(kinds) != 1 or next(iter(kinds)) not in _FUSED_MLP_CLASSES or not all(c.fuse_gated_mlp for c in cfgs):
             continue
+        kind = next(iter(kinds))
         gate = module.gate_proj
-        if gate.out_features % 128 or gate.in_features % 128 or module.down_proj.in_features % 128:
+        if gate.out_features != module.up_proj.out_features or gate.out_features != module.down_proj.in_features:
+            continue
+        if kind is Fp8BlockConfig and (gate.out_features % 128 or gate.in_features % 128
+                                       or module.down_proj.in_features % 128):
             continue  # not block aligned: the three linears are converted one by one
-        found[name] = module
+        found[name] = _FUSED_MLP_CLASSES[kind]
     return found
 
 
@@ -425,20 +443,22 @@ def quantize_(model: nn.Module, config: QuantConfig, calibration_data: Optional[
 
     fused = _gated_mlps(model, chosen)
     fused_children = {f"{n}.{p}" if n else p for n in fused for p in ("gate_proj", "up_proj", "down_proj")}
-    work: List[Tuple[str, Any]] = [(n, None) for n in fused] + [(n, c) for n, c in chosen.items()
-                                                               if n not in fused_children]
+    work: List[Tuple[str, Any]] = [(n, cls) for n, cls in fused.items()] + [(n, c) for n, c in chosen.items()
+                                                                          if n not in fused_children]
     modules = dict(model.named_modules())
     for name, cfg in tqdm(work, desc=f"quantfuse: {config.scheme}", disable=not progress, leave=False):
         module = modules[name]
+        fused_cls = cfg if isinstance(cfg, type) else None
         try:
-            if cfg is None:
-                new = Fp8BlockGatedMLP.from_mlp(module)
+            if fused_cls is not None:
+                new = fused_cls.from_mlp(module)
             else:
                 new = cfg.convert(module, stats.get(name))
         except (ValueError, TypeError) as err:
+            scheme = fused_cls.layer_class.scheme if fused_cls is not None else cfg.scheme
             raise ValueError(f"layer '{name}' ({type(module).__name__}"
                              + (f" {module.in_features}->{module.out_features}" if isinstance(module, nn.Linear) else "")
-                             + f") cannot take scheme {cfg.scheme if cfg else 'fp8_block'}: {err}. "
+                             + f") cannot take scheme {scheme}: {err}. "
                              "Add it to skip or give it another config in overrides.") from err
         _set_module(model, name, new)
     return model
@@ -448,7 +468,7 @@ def quantized_layers(model: nn.Module) -> Dict[str, nn.Module]:
     """{name: module} of every quantfuse module in the model (fused MLPs count once)."""
     out = {}
     for name, module in model.named_modules():
-        if isinstance(module, Fp8BlockGatedMLP):
+        if isinstance(module, GatedMLP):
             out[name] = module
         elif isinstance(module, QuantizedLinear) and not any(name.startswith(f + ".") for f in out):
             out[name] = module
