@@ -20,7 +20,15 @@ Kernels:
   operand is the left (register) operand of the MMA, where Hopper takes it from registers. For decode
   (M <= 16) the K range is split over programs (split-K) so that every SM streams its share of the
   weight once; partial sums (float32) are reduced by `_splitk_reduce_kernel` with bias and the one
-  rounding. Scales (and zero points) are loaded once per group per chunk.
+  rounding. Scales (and zero points) are loaded once per group per chunk. CHUNKS (tile key `chunks`)
+  chunks are loaded per K-loop iteration ([BLOCK_N, CHUNKS, 16] words) and each field is one
+  [BLOCK_N, 16 * CHUNKS] x [16 * CHUNKS, BLOCK_M] product: fewer, larger loads and MMAs per weight.
+  BLOCK_N 16 / 32 give mma.sync on Hopper instead of wgmma.
+- `_wo_gemv_kernel`: the same product without tensor cores for M <= 4 (tile key kernel="gemv"): w_hat
+  (widened to float32) times x broadcast, accumulated elementwise per row, reduced once after the K loop.
+- Both take CONVERT (tile key `convert`): "shift" (above) or "inplace" (`_field_minus_zero`: the field is
+  OR-ed where it lies into a power of two whose mantissa LSB has its weight; no shift for most fields);
+  both give the exact u - z, hence the same w_hat bit for bit.
 - `_dequant_kernel` writes w_hat [N, K] (for `QuantizedWeight.dequantize` and for large M, where
   dequantize-once + cuBLAS can beat the fused kernel; the crossover is data in `_DISPATCH`).
 Launchers assume the arguments were validated by `quantfuse.ops`.
@@ -51,20 +59,30 @@ def chunk_codes(bits: int) -> int:
 
 # Launch configurations, keyed by architecture. Each entry: rows M up to `max_m` use this tile.
 # `programs_per_sm`: split-K target (decode). cublas_min_m: from this M on, dequantize once + cuBLAS.
+# `chunks`: chunks of 16 words per K-loop iteration; `kernel`: "mma" (tensor cores) or "gemv" (no tensor
+# cores, block_m <= 4); `convert`: "shift" or "inplace" (same w_hat). Candidates for all three are swept by
+# benchmarks/tune_weight_only.py; until measured on the GPU the shipped entries stay chunks=1, "mma", "shift"
+# (the kernel as it was when the table was tuned).
 _DISPATCH = {
     "sm90": {
         "tiles": [
-            dict(max_m=16, block_m=16, block_n=64, num_warps=4, num_stages=4, programs_per_sm=4),
-            dict(max_m=32, block_m=32, block_n=64, num_warps=4, num_stages=4, programs_per_sm=2),
-            dict(max_m=64, block_m=64, block_n=64, num_warps=4, num_stages=3, programs_per_sm=1),
-            dict(max_m=1 << 62, block_m=64, block_n=128, num_warps=8, num_stages=3, programs_per_sm=1),
+            dict(max_m=16, block_m=16, block_n=64, num_warps=4, num_stages=4, programs_per_sm=4,
+                 chunks=1, kernel="mma", convert="shift"),
+            dict(max_m=32, block_m=32, block_n=64, num_warps=4, num_stages=4, programs_per_sm=2,
+                 chunks=1, kernel="mma", convert="shift"),
+            dict(max_m=64, block_m=64, block_n=64, num_warps=4, num_stages=3, programs_per_sm=1,
+                 chunks=1, kernel="mma", convert="shift"),
+            dict(max_m=1 << 62, block_m=64, block_n=128, num_warps=8, num_stages=3, programs_per_sm=1,
+                 chunks=1, kernel="mma", convert="shift"),
         ],
         "cublas_min_m": 256,
     },
     "default": {
         "tiles": [
-            dict(max_m=16, block_m=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2),
-            dict(max_m=1 << 62, block_m=32, block_n=32, num_warps=4, num_stages=2, programs_per_sm=1),
+            dict(max_m=16, block_m=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2,
+                 chunks=1, kernel="mma", convert="shift"),
+            dict(max_m=1 << 62, block_m=32, block_n=32, num_warps=4, num_stages=2, programs_per_sm=1,
+                 chunks=1, kernel="mma", convert="shift"),
         ],
         "cublas_min_m": 1 << 62,
     },
@@ -105,19 +123,61 @@ def _group_params(s_ptr, z_ptr, k_start, group_size, num_groups, N, offs_n, n_ma
 
 
 @triton.jit
+def _field_minus_zero(words, words_hi, field_mask, I: tl.constexpr, BITS: tl.constexpr, zero):
+    """Field I of `words` minus its zero point, exact, as float32, with no shift for most fields
+    ("inplace" conversion, bit-identical to `_codes_minus_zero`).
+
+    A field sitting at bit P of the mantissa (P + BITS <= 23) is OR-ed as it stands into the float
+    2^(23 - P), whose mantissa LSB weighs 2^-P: the float is 2^(23 - P) + u exactly, and subtracting
+    2^(23 - P) + z (exact: a small integer plus a power of two far above it) leaves the exact u - z. One
+    LOP3 (AND field mask, OR magic) replaces SHF + LOP3 per weight. Fields too high for that (int4
+    fields 5..7, int8 fields 2..3) come from words_hi = words >> 12 (one shift per word), where they sit
+    at bits 8..19. field_mask = 2^BITS - 1 is a runtime argument on purpose: ptxas then keeps the shifted
+    masks in registers instead of re-materialising a constant before every LOP3."""
+    if I * BITS + BITS <= 23:
+        P: tl.constexpr = I * BITS
+        code = (words & (field_mask << P)) | ((150 - P) << 23)
+    else:
+        P: tl.constexpr = I * BITS - 12
+        code = (words_hi & (field_mask << P)) | ((150 - P) << 23)
+    return code.to(tl.float32, bitcast=True) - (zero + 2.0 ** (23 - P))
+
+
+@triton.jit
+def _dequant_field(words, words_hi, field_mask, I: tl.constexpr, BITS: tl.constexpr, s, zm,
+                   CONVERT: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """w_hat of field I: round(DTYPE, float32(u - z) * s), zm = 2^23 + z (from `_group_params`).
+    CONVERT 0: shift + mask + magic 2^23 (`_codes_minus_zero`); 1: in place (`_field_minus_zero`).
+    Both give the exact u - z, so both give the same w_hat bit for bit."""
+    if CONVERT == 1:
+        d = _field_minus_zero(words, words_hi, field_mask, I, BITS, zm - 8388608.0)
+    else:
+        d = _codes_minus_zero(words, I * BITS, (1 << BITS) - 1, zm)
+    return cast_to(d * s, DTYPE, INTERPRET)
+
+
+@triton.jit
 def _wo_mm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
-    M, N, K, num_groups, group_size, chunks_per_split,
+    M, N, K, num_groups, group_size, chunks_per_split, field_mask,
     stride_xm, stride_wn, stride_om,
     BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+    CONVERT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * w_hat[n, k] (+ bias[n]), fp32 accumulation, computed as out^T tiles.
 
-    Grid (n blocks, K splits, m blocks). SPLIT: write float32 partials [splits, M, N] instead."""
+    Grid (n blocks, K splits, m blocks). SPLIT: write float32 partials [splits, M, N] instead.
+    Each K-loop iteration loads CHUNKS consecutive chunks of words, a [BLOCK_N, CHUNKS, 16] tile (16 *
+    CHUNKS contiguous words, 64 * CHUNKS bytes, per row), and for each field makes one tensor-core
+    product [BLOCK_N, 16 * CHUNKS] x [16 * CHUNKS, BLOCK_M]: dot row 16 * c + j is k = (chunk + c) *
+    CHUNK + 16 * field + j. A split's chunk count need not be a multiple of CHUNKS: chunks at or past
+    the split's end load words 0 and scale 0 (so w_hat = 0 there, never NaN) and x is masked to 0 from
+    min(K, split end) on, so nothing is counted twice and the K padding of the last chunk contributes 0.
+    BLOCK_N / BLOCK_M: any powers of two >= 16 (tl.dot); on Hopper BLOCK_N < 64 gives mma.sync (MMAv2)
+    instead of wgmma."""
     FIELDS: tl.constexpr = 32 // BITS
     CHUNK: tl.constexpr = 16 * FIELDS
-    MASK: tl.constexpr = (1 << BITS) - 1
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -125,26 +185,47 @@ def _wo_mm_kernel(
     n_mask = offs_n < N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    j = tl.arange(0, 16)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + j[None, :]
+    ci = tl.arange(0, CHUNKS)[None, :, None]  # chunk within the iteration
+    j3 = tl.arange(0, 16)[None, None, :]
+    n3 = offs_n[:, None, None]
+    nm3 = n_mask[:, None, None]
+    w_tile = w_ptr + n3.to(tl.int64) * stride_wn + ci * 16 + j3
+    r = tl.arange(0, 16 * CHUNKS)  # dot row -> k offset from the iteration's first chunk (minus 16 * field)
+    if CHUNKS == 1:
+        r_k = r
+    else:
+        r_k = (r // 16) * CHUNK + r % 16
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
     x_dtype = x_ptr.dtype.element_ty
 
     total_chunks = tl.cdiv(K, CHUNK)
     c_begin = pid_s * chunks_per_split
     c_end = tl.minimum(c_begin + chunks_per_split, total_chunks)
+    if CHUNKS == 1:
+        k_end = K
+    else:
+        k_end = tl.minimum(K, c_end * CHUNK)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for c in range(c_begin, c_end):
-        words = tl.load(w_rows + c * 16, mask=n_mask[:, None], other=0)
-        k_base = c * CHUNK
+    for cc in range(c_begin, c_end, CHUNKS):
+        if CHUNKS == 1:
+            valid = nm3
+        else:
+            valid = nm3 & (cc + ci < c_end)
+        words = tl.load(w_tile + cc * 16, mask=valid, other=0)
+        if CONVERT == 1:
+            words_hi = words >> 12
+        else:
+            words_hi = words
+        k_base = cc * CHUNK
         for i in tl.static_range(FIELDS):
             if i % GROUP_FIELDS == 0:
-                s, zm = _group_params(s_ptr, z_ptr, k_base + 16 * i, group_size, num_groups, N,
-                                      offs_n, n_mask, HAS_ZERO, BITS)
-            k = k_base + 16 * i + j
-            xt = tl.load(x_cols + k[:, None], mask=(k[:, None] < K) & m_mask[None, :], other=0.0)
-            w = _codes_minus_zero(words, i * BITS, MASK, zm[:, None]) * s[:, None]
-            w = cast_to(w, x_dtype, INTERPRET)
+                # group of each chunk's field i (a group may end inside a chunk: GROUP_FIELDS < FIELDS)
+                s, zm = _group_params(s_ptr, z_ptr, k_base + ci * CHUNK + 16 * i, group_size, num_groups, N,
+                                      n3, valid, HAS_ZERO, BITS)
+            k = k_base + 16 * i + r_k
+            xt = tl.load(x_cols + k[:, None], mask=(k[:, None] < k_end) & m_mask[None, :], other=0.0)
+            w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET)
+            w = tl.reshape(w, [BLOCK_N, 16 * CHUNKS])
             if INTERPRET:
                 # The interpreter's dot mishandles bfloat16 operands; float32 of the same values is exact.
                 acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
@@ -162,6 +243,109 @@ def _wo_mm_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + out_offs, cast_to(acc, out_ptr.dtype.element_ty, INTERPRET), mask=out_mask)
+
+
+@triton.jit
+def _gemv_row(acc, w, x_row, k, row: tl.constexpr, M, m0, k_end, stride_xm):
+    """acc += w * x[m0 + row, k] (float32); x is masked to 0 from k_end on, and everywhere for a row
+    past M - 1 (its limit drops to 0)."""
+    k_lim = tl.where(m0 + row < M, k_end, 0)
+    xv = tl.load(x_row + row * stride_xm + k, mask=k < k_lim, other=0.0)
+    return acc + w * xv.to(tl.float32)
+
+
+@triton.jit
+def _gemv_store(acc, row: tl.constexpr, m0, M, N, offs_n, n_mask, pid_s, bias_ptr, out_ptr, part_ptr, stride_om,
+                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
+    m = (m0 + row).to(tl.int64)
+    ok = offs_n < tl.where(m0 + row < M, N, 0)  # (a scalar-and-tensor mask trips the interpreter)
+    if SPLIT:
+        tl.store(part_ptr + pid_s.to(tl.int64) * M * N + m * N + offs_n, y, mask=ok)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + offs_n, cast_to(y, out_ptr.dtype.element_ty, INTERPRET), mask=ok)
+
+
+@triton.jit
+def _wo_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
+    M, N, K, num_groups, group_size, chunks_per_split, field_mask,
+    stride_xm, stride_wn, stride_om,
+    BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+    CONVERT: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """The same product without tensor cores, for very small M (BLOCK_M <= 4 rows per program).
+
+    Per field the [BLOCK_N, CHUNKS, 16] w_hat tile (the same exact conversion and rounding to x's dtype,
+    then widened to float32) is multiplied by each row's x values broadcast along n and accumulated
+    elementwise into one float32 tile per row; each tile is reduced (tl.sum) once, after the K loop.
+    Grid, split-K partials and the K / split-end masking are those of `_wo_mm_kernel`."""
+    tl.static_assert(BLOCK_M >= 1 and BLOCK_M <= 4, "gemv kernel: BLOCK_M must be 1..4")
+    FIELDS: tl.constexpr = 32 // BITS
+    CHUNK: tl.constexpr = 16 * FIELDS
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    m0 = pid_m * BLOCK_M
+    ci = tl.arange(0, CHUNKS)[None, :, None]
+    j3 = tl.arange(0, 16)[None, None, :]
+    n3 = offs_n[:, None, None]
+    nm3 = n_mask[:, None, None]
+    w_tile = w_ptr + n3.to(tl.int64) * stride_wn + ci * 16 + j3
+    k3 = ci * CHUNK + j3  # [1, CHUNKS, 16]: k offset of field 0 of each word from the iteration's start
+    x_row = x_ptr + m0.to(tl.int64) * stride_xm
+    x_dtype = x_ptr.dtype.element_ty
+
+    total_chunks = tl.cdiv(K, CHUNK)
+    c_begin = pid_s * chunks_per_split
+    c_end = tl.minimum(c_begin + chunks_per_split, total_chunks)
+    k_end = tl.minimum(K, c_end * CHUNK)
+    acc0 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
+    for cc in range(c_begin, c_end, CHUNKS):
+        if CHUNKS == 1:
+            valid = nm3
+        else:
+            valid = nm3 & (cc + ci < c_end)
+        words = tl.load(w_tile + cc * 16, mask=valid, other=0)
+        if CONVERT == 1:
+            words_hi = words >> 12
+        else:
+            words_hi = words
+        k_base = cc * CHUNK
+        for i in tl.static_range(FIELDS):
+            if i % GROUP_FIELDS == 0:
+                s, zm = _group_params(s_ptr, z_ptr, k_base + ci * CHUNK + 16 * i, group_size, num_groups, N,
+                                      n3, valid, HAS_ZERO, BITS)
+            w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET)
+            w = w.to(tl.float32)
+            k = k_base + 16 * i + k3
+            acc0 = _gemv_row(acc0, w, x_row, k, 0, M, m0, k_end, stride_xm)
+            if BLOCK_M > 1:
+                acc1 = _gemv_row(acc1, w, x_row, k, 1, M, m0, k_end, stride_xm)
+            if BLOCK_M > 2:
+                acc2 = _gemv_row(acc2, w, x_row, k, 2, M, m0, k_end, stride_xm)
+            if BLOCK_M > 3:
+                acc3 = _gemv_row(acc3, w, x_row, k, 3, M, m0, k_end, stride_xm)
+
+    _gemv_store(acc0, 0, m0, M, N, offs_n, n_mask, pid_s, bias_ptr, out_ptr, part_ptr, stride_om,
+                HAS_BIAS, SPLIT, INTERPRET)
+    if BLOCK_M > 1:
+        _gemv_store(acc1, 1, m0, M, N, offs_n, n_mask, pid_s, bias_ptr, out_ptr, part_ptr, stride_om,
+                    HAS_BIAS, SPLIT, INTERPRET)
+    if BLOCK_M > 2:
+        _gemv_store(acc2, 2, m0, M, N, offs_n, n_mask, pid_s, bias_ptr, out_ptr, part_ptr, stride_om,
+                    HAS_BIAS, SPLIT, INTERPRET)
+    if BLOCK_M > 3:
+        _gemv_store(acc3, 3, m0, M, N, offs_n, n_mask, pid_s, bias_ptr, out_ptr, part_ptr, stride_om,
+                    HAS_BIAS, SPLIT, INTERPRET)
 
 
 @triton.jit
@@ -243,12 +427,47 @@ def pick_tile(m: int, device: torch.device) -> dict:
     return _table(device)["tiles"][-1]
 
 
+_KERNELS = ("mma", "gemv")
+_CONVERTS = {"shift": 0, "inplace": 1}
+
+
+def check_tile(tile: dict) -> None:
+    """Raise ValueError for a tile dict the kernels cannot run (forced tiles, tuning candidates)."""
+    kind = tile.get("kernel", "mma")
+    if kind not in _KERNELS:
+        raise ValueError(f"tile kernel: expected one of {_KERNELS}, got {kind!r}")
+    if tile.get("convert", "shift") not in _CONVERTS:
+        raise ValueError(f"tile convert: expected one of {tuple(_CONVERTS)}, got {tile.get('convert')!r}")
+    pow2 = lambda v: isinstance(v, int) and v > 0 and v & (v - 1) == 0  # noqa: E731
+    chunks, bm, bn = tile.get("chunks", 1), tile["block_m"], tile["block_n"]
+    if not pow2(chunks) or chunks > 8:
+        raise ValueError(f"tile chunks: expected a power of two <= 8, got {chunks!r}")
+    if not pow2(bn) or bn < 16:
+        raise ValueError(f"tile block_n: expected a power of two >= 16, got {bn!r}")
+    if kind == "mma" and (not pow2(bm) or bm < 16):
+        raise ValueError(f"tile block_m: the mma kernel needs a power of two >= 16, got {bm!r}")
+    if kind == "gemv" and bm not in (1, 2, 3, 4):
+        raise ValueError(f"tile block_m: the gemv kernel takes 1..4 rows, got {bm!r}")
+
+
 def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int,
              tile: Optional[dict] = None, splits: Optional[int] = None) -> torch.Tensor:
-    """out [M, N] = x2d @ w_hat.T (+ bias) with the fused dequantizing kernel."""
+    """out [M, N] = x2d @ w_hat.T (+ bias) with the fused dequantizing kernel.
+
+    tile: a `_DISPATCH` entry (default: `pick_tile(M)`); keys block_m, block_n, num_warps, num_stages,
+    programs_per_sm, and optionally chunks (chunks of 16 words per K-loop iteration, default 1),
+    kernel ("mma": tensor cores, `_wo_mm_kernel`, default; "gemv": `_wo_gemv_kernel`, block_m <= 4) and
+    convert ("shift", default, or "inplace": the same w_hat with fewer instructions). splits: force the
+    number of K splits (rounded so every split has the same whole number of chunks, the last possibly
+    fewer)."""
     m, k = x2d.shape
-    tile = tile or pick_tile(m, x2d.device)
+    if tile is None:
+        tile = pick_tile(m, x2d.device)  # the shipped table (checked by the tests, not on every call)
+    else:
+        check_tile(tile)
     block_m, block_n = tile["block_m"], tile["block_n"]
+    chunks = tile.get("chunks", 1)
+    kernel = _wo_gemv_kernel if tile.get("kernel", "mma") == "gemv" else _wo_mm_kernel
     grid_n, grid_m = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
     total_chunks = triton.cdiv(k, chunk_codes(bits))
     if splits is None:
@@ -260,12 +479,13 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     split = splits > 1
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out
     has_bias = bias is not None
-    _wo_mm_kernel[(grid_n, splits, grid_m)](
+    kernel[(grid_n, splits, grid_m)](
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales,
         out, part, m, n, k, scales.shape[0], _effective_group(group_size, k), chunks_per_split,
-        x2d.stride(0), qweight.stride(0), out.stride(0),
+        (1 << bits) - 1, x2d.stride(0), qweight.stride(0), out.stride(0),
         BITS=bits, GROUP_FIELDS=_group_fields(group_size, k, bits), HAS_ZERO=zeros is not None,
-        HAS_BIAS=has_bias, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRET=INTERPRET,
+        HAS_BIAS=has_bias, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKS=chunks,
+        CONVERT=_CONVERTS[tile.get("convert", "shift")], INTERPRET=INTERPRET,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )
     if split:

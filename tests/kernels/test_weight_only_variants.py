@@ -1,0 +1,319 @@
+"""Weight-only GEMM: every launch variant of kernels/weight_only.py forced through
+`fused_mm(..., tile=..., splits=...)` (the candidates benchmarks/tune_weight_only.py sweeps): the tensor-core
+kernel at chunks 1/2/4 per K-loop iteration and block_n 16..128 / block_m 16..64, the GEMV kernel at
+block_m 1/2/4, and both weight conversions ("shift", "inplace").
+
+Checks, under the interpreter (CPU tensors; the GPU twins at the end run with `pytest -m gpu` on the device):
+- the in-place converter `_field_minus_zero` gives the exact u - z, like `_codes_minus_zero`, for every
+  code at every field position and every zero point 0 .. 2^bits (exhaustive);
+- identity rows: x = rows of eye(K), so every output is one exact product plus exact zeros and must equal
+  w_hat[n, k] bit for bit (w_hat = QuantizedWeight.dequantize(x.dtype), one rounding of fp32 (u - z) * s):
+  catches any wrong field, group, zero point or chunk, and any masked (padded / past-the-split) weight
+  that would leak in;
+- random x (NaN-free, randn) against ref = x.float() @ w_hat.float().T (+ bias), the fp32 reference of the
+  same w_hat. Bound, per output element (stated for every case):
+
+      |out - round(dtype, ref)| <= ulp + 1e-5 * (|x| @ |w_hat|.T + |bias|)
+
+  ulp = the larger output-dtype ulp of out and round(dtype, ref) (the kernel's fp32 sum and ref each
+  round once to dtype), 1e-5 * sum |x||w|: fp32 accumulation-order differences (the kernel sums in
+  another order, split-K partials included).
+Coverage: bits 4 and 8; group 32, 128 (K = 200: a partial last group) and -1; symmetric and asymmetric;
+fp16 and bf16; M in 1, 2, 3, 5; K = 192, 200 (a partial last chunk), 1024; N = 100, 257; splits 1, 2, 3,
+including splits whose chunk count is not a multiple of `chunks` (K = 1024 int4: 8 chunks in splits of 3, 3,
+2; int8: 16 chunks in 6, 6, 4; K = 192 int8: 3 chunks in 2, 1). Each (variant, case) pair is listed by hand
+(not the full cross product) to keep the file under a minute on two cores.
+"""
+
+import os
+
+import pytest
+import torch
+
+from quantfuse import ops
+from quantfuse.kernels import weight_only as kw
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need TRITON_INTERPRET=1")
+F16, BF16 = torch.float16, torch.bfloat16
+RTOL_SUM = 1e-5
+
+
+def tile(kernel="mma", block_m=16, block_n=64, chunks=1, convert="shift", num_warps=4, num_stages=2):
+    return dict(kernel=kernel, block_m=block_m, block_n=block_n, chunks=chunks, convert=convert,
+                num_warps=num_warps, num_stages=num_stages, programs_per_sm=1)
+
+
+def tile_id(t):
+    return f"{t['kernel']}-m{t['block_m']}-n{t['block_n']}-c{t['chunks']}-{t['convert']}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------
+def make_qw(n, k, bits, group, symmetric, device="cpu"):
+    """Weights with a random power-of-two magnitude per 64-column block, so that a wrong group (scale)
+    or zero point shows up far above the bound."""
+    w = torch.randn(n, k, device=device)
+    mag = torch.exp2(torch.randint(-4, 5, (1, -(-k // 64)), device=device).float())
+    w = w * mag.repeat_interleave(64, dim=1)[:, :k]
+    return ops.quantize_weight(w, bits=bits, group_size=group, symmetric=symmetric)
+
+
+def ulp(v, dtype):
+    """Spacing of `dtype` at |v| (float32 tensor of dtype values); the subnormal spacing at 0."""
+    p, floor = (8, 2.0**-133) if dtype == BF16 else (11, 2.0**-24)
+    _, e = torch.frexp(v.abs())
+    u = torch.exp2((e - p).float())
+    return torch.where(v == 0, torch.full_like(u, floor), torch.clamp(u, min=floor))
+
+
+def assert_close_to_ref(out, x, w_hat, bias=None, label=""):
+    xf, wf = x.float(), w_hat.float()
+    ref = xf @ wf.t()
+    s = xf.abs() @ wf.abs().t()
+    if bias is not None:
+        ref = ref + bias.float()
+        s = s + bias.float().abs()
+    ref_r = ref.to(out.dtype).float()
+    got = out.float()
+    assert bool(torch.isfinite(got).all()), f"{label}: non-finite output"
+    bound = torch.maximum(ulp(got, out.dtype), ulp(ref_r, out.dtype)) + RTOL_SUM * s
+    err = (got - ref_r).abs()
+    worst = float((err / bound).max())
+    assert worst <= 1.0, f"{label}: error {float(err.max())} exceeds the bound (worst err / bound {worst:.3g})"
+
+
+def run(x, qw, t, splits, bias=None):
+    n = qw.shape[0]
+    return kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, bias, qw.bits, qw.group_size, n, tile=t, splits=splits)
+
+
+class Spy:
+    """Wraps a Triton kernel: records the constexprs of every launch, then launches it."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(dict(kwargs, grid=grid))
+            return self.fn[grid](*args, **kwargs)
+
+        return launch
+
+
+# ---------------------------------------------------------------------------------------------------
+# the in-place converter, exhaustively
+# ---------------------------------------------------------------------------------------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _both_converters(w_ptr, z_ptr, out0_ptr, out1_ptr, field_mask, W: tl.constexpr, Z: tl.constexpr,
+                     BITS: tl.constexpr):
+    """out{0,1}[i, r, c] = field i of word c minus zero point z[r], by the shift and the in-place converter."""
+    FIELDS: tl.constexpr = 32 // BITS
+    rows = tl.arange(0, Z)[:, None]
+    cols = tl.arange(0, W)[None, :]
+    words = tl.load(w_ptr + cols + rows * 0)
+    zm = tl.load(z_ptr + rows + cols * 0) + 8388608.0
+    hi = words >> 12
+    for i in tl.static_range(FIELDS):
+        d0 = kw._codes_minus_zero(words, i * BITS, (1 << BITS) - 1, zm)
+        d1 = kw._field_minus_zero(words, hi, field_mask, i, BITS, zm - 8388608.0)
+        tl.store(out0_ptr + i * Z * W + rows * W + cols, d0)
+        tl.store(out1_ptr + i * Z * W + rows * W + cols, d1)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bits", [4, 8])
+def test_inplace_converter_exhaustive(bits):
+    top, per = 2**bits, 32 // bits
+    w_count = top  # word c holds code (c + 7 * i) % top in field i: every code at every field
+    c = torch.arange(w_count, dtype=torch.int64)
+    words = torch.zeros(w_count, dtype=torch.int64)
+    for i in range(per):
+        words |= ((c + 7 * i) % top) << (i * bits)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    z_rows = 1 << (top).bit_length()  # zero points 0 .. 2^bits (GPTQ v1), padded to a power of two
+    z = torch.arange(z_rows, dtype=torch.float32).clamp(max=top)
+    out0 = torch.empty(per, z_rows, w_count)
+    out1 = torch.empty_like(out0)
+    _both_converters[(1,)](words, z, out0, out1, top - 1, W=w_count, Z=z_rows, BITS=bits)
+    codes = torch.stack([(c + 7 * i) % top for i in range(per)]).float()  # [per, W]
+    expected = codes[:, None, :] - z[None, :, None]
+    assert torch.equal(out0, expected)
+    assert torch.equal(out1, expected)
+    assert torch.equal(out1.view(torch.int32), out0.view(torch.int32))  # bit for bit (no -0 vs +0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# every variant: identity rows (exact) and random x (bound above)
+# ---------------------------------------------------------------------------------------------------
+MMA = [
+    tile(block_n=16, chunks=1),
+    tile(block_n=16, chunks=2),
+    tile(block_n=16, chunks=4, convert="inplace", num_warps=1),
+    tile(block_n=32, chunks=1, convert="inplace", num_warps=2),
+    tile(block_n=32, chunks=2),
+    tile(block_n=32, chunks=4, convert="inplace"),
+    tile(block_n=64, chunks=1),
+    tile(block_n=64, chunks=2, convert="inplace"),
+    tile(block_n=64, chunks=4),
+    tile(block_m=32, block_n=128, chunks=2, convert="inplace", num_warps=8),
+    tile(block_m=64, block_n=16, chunks=2, convert="inplace"),
+    tile(block_m=32, block_n=64, chunks=4),
+]
+GEMV = [
+    tile("gemv", block_m=1, block_n=16, chunks=1),
+    tile("gemv", block_m=1, block_n=32, chunks=4, convert="inplace", num_warps=2),
+    tile("gemv", block_m=2, block_n=16, chunks=2, convert="inplace"),
+    tile("gemv", block_m=2, block_n=64, chunks=1),
+    tile("gemv", block_m=4, block_n=64, chunks=2),
+    tile("gemv", block_m=4, block_n=32, chunks=4, convert="inplace"),
+    tile("gemv", block_m=4, block_n=16, chunks=1, convert="inplace"),
+]
+VARIANTS = MMA + GEMV
+
+# (variant, M, K, N, bits, group, symmetric, dtype, splits, bias), by hand: see the module docstring
+GEMM_CASES = [
+    (MMA[0], 3, 200, 100, 4, 128, False, F16, 2, True),
+    (MMA[1], 1, 192, 100, 8, 32, True, BF16, 2, False),  # int8 3 chunks -> 2 + 1: chunks=2 tail
+    (MMA[2], 5, 200, 257, 4, 32, False, BF16, 1, False),  # 2 chunks, chunks=4: half the iteration masked
+    (MMA[3], 2, 192, 257, 8, -1, False, F16, 3, True),
+    (MMA[4], 5, 1024, 100, 4, 128, True, BF16, 3, False),  # 8 chunks -> 3, 3, 2
+    (MMA[5], 3, 1024, 257, 8, 128, False, F16, 3, True),  # int8 16 chunks -> 6, 6, 4 (chunks=4 tail)
+    (MMA[6], 1, 1024, 257, 4, 32, False, F16, 2, False),
+    (MMA[7], 2, 200, 257, 4, -1, True, BF16, 1, True),
+    (MMA[8], 5, 1024, 100, 8, 32, False, BF16, 3, False),  # 6, 6, 4
+    (MMA[9], 5, 1024, 257, 4, 128, False, F16, 3, True),  # 3, 3, 2
+    (MMA[10], 3, 192, 100, 4, 32, True, F16, 1, False),
+    (MMA[11], 2, 192, 257, 8, 128, True, F16, 2, False),  # 3 chunks -> 2 + 1 with chunks=4
+    (GEMV[0], 1, 200, 100, 4, 128, False, BF16, 2, True),
+    (GEMV[1], 2, 1024, 100, 8, 32, False, F16, 3, False),  # 6, 6, 4 with chunks=4
+    (GEMV[2], 3, 192, 100, 4, 32, True, BF16, 1, True),
+    (GEMV[3], 5, 200, 257, 8, -1, True, F16, 3, False),
+    (GEMV[4], 5, 1024, 100, 4, 128, False, BF16, 3, True),  # 3, 3, 2 with chunks=2
+    (GEMV[5], 3, 200, 257, 8, 128, True, F16, 2, False),  # 4 chunks -> 2, 2 with chunks=4
+    (GEMV[6], 2, 192, 100, 4, -1, False, BF16, 3, False),
+]
+
+
+def _case_id(c):
+    t, m, k, n, bits, group, sym, dtype, splits, bias = c
+    return (f"{tile_id(t)}-M{m}K{k}N{n}-int{bits}-g{group}-{'sym' if sym else 'asym'}-"
+            f"{str(dtype).replace('torch.', '')}-s{splits}{'-bias' if bias else ''}")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", GEMM_CASES, ids=_case_id)
+def test_variant_gemm_vs_fp32_reference(case, monkeypatch):
+    t, m, k, n, bits, group, sym, dtype, splits, has_bias = case
+    qw = make_qw(n, k, bits, group, sym)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n).to(dtype) if has_bias else None
+    name = "_wo_gemv_kernel" if t["kernel"] == "gemv" else "_wo_mm_kernel"
+    spy = Spy(getattr(kw, name))
+    monkeypatch.setattr(kw, name, spy)
+    out = run(x, qw, t, splits, bias)
+    assert len(spy.calls) == 1 and spy.calls[0]["CHUNKS"] == t["chunks"]
+    assert spy.calls[0]["CONVERT"] == kw._CONVERTS[t["convert"]] and spy.calls[0]["BLOCK_N"] == t["block_n"]
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_close_to_ref(out, x, qw.dequantize(dtype), bias, _case_id(case))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("t", VARIANTS, ids=tile_id)
+def test_variant_identity_rows_exact(t):
+    """out[m, n] = w_hat[n, k_m] bit for bit, for both bits (int4 split-K, int8 not split), asymmetric group
+    32 (groups end inside chunks), K = 200 (a partial last chunk) and N = 40 (a partial n block)."""
+    k, n = 200, 40
+    for bits, dtype, splits in ((4, F16, 3), (8, BF16, 1)):
+        qw = make_qw(n, k, bits, 32, symmetric=False)
+        chunk = 16 * (32 // bits)
+        ks = [17, chunk - 1, chunk + 16 * (32 // bits - 1) // 2 + 5, 199]  # inside fields, chunk edges, K - 1
+        x = torch.zeros(len(ks), k, dtype=dtype)
+        x[torch.arange(len(ks)), torch.tensor(ks)] = 1
+        w_hat = qw.dequantize(dtype)
+        out = run(x, qw, t, splits)
+        want = w_hat[:, ks].t().contiguous()
+        diff = out.view(torch.int16) != want.view(torch.int16)
+        assert not bool(diff.any()), f"int{bits} splits={splits}: {int(diff.sum())} outputs differ, first " \
+                                     f"{torch.nonzero(diff)[:4].tolist()}"
+
+
+@needs_interpreter
+def test_nan_in_x_stays_in_its_row():
+    qw = make_qw(40, 640, 4, 128, symmetric=True)  # 5 chunks: splits of 2, 2, 1
+    x = torch.randn(3, 640).to(BF16)
+    for t in (tile(block_n=32, chunks=4, convert="inplace"), tile("gemv", block_m=2, block_n=32, chunks=2)):
+        clean = run(x, qw, t, 3)
+        bad = x.clone()
+        bad[1, 300] = float("nan")
+        got = run(bad, qw, t, 3)
+        assert torch.equal(got[0], clean[0]) and torch.equal(got[2], clean[2])
+        assert bool(torch.isnan(got[1]).all())
+
+
+# ---------------------------------------------------------------------------------------------------
+# tile validation and the shipped table
+# ---------------------------------------------------------------------------------------------------
+def test_bad_tiles_raise():
+    qw = make_qw(16, 128, 4, 128, symmetric=True)
+    x = torch.randn(2, 128).to(F16)
+    for bad, match in [(dict(tile(), kernel="simt"), "kernel"), (dict(tile(), convert="lut"), "convert"),
+                       (dict(tile(), chunks=3), "chunks"), (dict(tile(), block_n=8), "block_n"),
+                       (dict(tile(), block_m=8), "block_m"), (tile("gemv", block_m=8), "block_m")]:
+        with pytest.raises(ValueError, match=match):
+            run(x, qw, bad, 1)
+
+
+def test_shipped_tiles_are_valid():
+    """Every shipped tile is one the kernels can run, in ascending max_m; a gemv tile covers at most 4 rows
+    per program (more rows would re-stream the weight once per row block)."""
+    for arch in kw._DISPATCH.values():
+        max_ms = [t["max_m"] for t in arch["tiles"]]
+        assert max_ms == sorted(max_ms)
+        for t in arch["tiles"]:
+            kw.check_tile(t)
+            if t.get("kernel", "mma") == "gemv":
+                assert t["max_m"] <= 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU (`pytest -m gpu tests/kernels/test_weight_only_variants.py` on the device): every variant compiled
+# for real, Llama-sized K, identity rows exact and random x within the bound above
+# ---------------------------------------------------------------------------------------------------
+GPU_VARIANTS = VARIANTS + [
+    tile(block_n=128, chunks=4, convert="inplace", num_warps=8, num_stages=3),
+    tile(block_n=16, chunks=4, convert="inplace", num_warps=1, num_stages=4),
+    tile(block_n=32, chunks=4, convert="inplace", num_warps=2, num_stages=4),
+    tile("gemv", block_m=1, block_n=64, chunks=4, convert="inplace", num_warps=8, num_stages=3),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", GPU_VARIANTS, ids=tile_id)
+def test_variant_gpu(t):
+    torch.manual_seed(0)
+    for bits, group, sym, dtype, (k, n), m, splits in [
+        (4, 128, True, BF16, (4096, 1000), 5, None),
+        (4, 32, False, F16, (1000, 257), 3, 3),
+        (8, -1, True, BF16, (2000, 300), 2, 7),
+    ]:
+        qw = make_qw(n, k, bits, group, sym, device="cuda")
+        w_hat = qw.dequantize(dtype)
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        bias = torch.randn(n, device="cuda").to(dtype)
+        out = run(x, qw, t, splits, bias)
+        assert_close_to_ref(out.cpu(), x.cpu(), w_hat.cpu(), bias.cpu(), f"{tile_id(t)} int{bits} K={k}")
+        ks = sorted({0, 1, 15, 16, 127, 128, 129, k // 2 + 5, k - 1})
+        eye = torch.zeros(len(ks), k, device="cuda", dtype=dtype)
+        eye[torch.arange(len(ks)), torch.tensor(ks)] = 1
+        got = run(eye, qw, t, splits)
+        want = w_hat[:, ks].t().contiguous()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{tile_id(t)} int{bits}: identity rows"
