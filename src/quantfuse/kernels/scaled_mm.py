@@ -8,6 +8,8 @@ Math (acc = a_q @ b_q; int32 and exact for int8, float32 for fp8):
   corr is subtracted in int32 (exact, before any float conversion); one rounding to out dtype at the end.
 Blockwise FP8 (1x128 activation groups, 128x128 weight blocks):
     out[i, j] = sum_kb (scale_a[i, kb] * scale_b[kb, j // 128]) * dot(a[i, kb-block], b[kb-block, j]) + bias[j]
+  How the per-step scales are applied is MMConfig.variant (BLOCKWISE_VARIANTS: two float32 tiles, a rescaled
+  single accumulator, one weight scale per tile); the shipped tables use variant 0.
 
 Design:
 - One tile kernel per family. Tiles are visited in grouped order (GROUP_M row-tiles share a column
@@ -55,6 +57,8 @@ class MMConfig:
     group_m: int = 8
     # split-K is chosen at launch from the SM count unless fixed here (0 = automatic)
     split_k: int = 0
+    # blockwise kernel only (see BLOCKWISE_VARIANTS); scaled_mm accepts 0 only
+    variant: int = 0
 
 
 _BIG = 1 << 62
@@ -89,6 +93,48 @@ BLOCKWISE_CONFIGS: Dict[str, List[Tuple[int, List[MMConfig]]]] = {
         (_BIG, [MMConfig(64, 128, 128, 4, 3)]),
     ],
 }
+
+# How the blockwise kernel applies the per-step scales s_t[m, n] = sa[m, t] * sb[t, n // 128]
+# (MMConfig.variant, a bit set: 1 = rescaled accumulator, 2 = one weight scale per tile, 4 = promote the
+# tensor-core sum every step; 0 is the original kernel and what every shipped table uses):
+#   0 "two_tiles": partial = dot(a, b) into a fresh float32 tile, acc += (sa[:, None] * sb[None, :]) * partial.
+#   1 "rescaled": one float32 tile. acc holds acc_true / (ua[:, None] * ub[None, :]) with per-row and per-column
+#     running units ua, ub (the step's scales, or the previous units where a scale is zero); each step first
+#     rescales acc *= (ua_old / ua)[:, None] * (ub_old / ub)[None, :] (correctly rounded divisions of vectors,
+#     no tile of divisions) and then accumulates acc = dot(a, b, acc), so the dot's contribution carries
+#     exactly the step's scale; at the end acc_true = (ua[:, None] * ub[None, :]) * acc.
+#     - Zero scale: keeps the previous units (ratio 1, never 0 or inf). Exact when that activation group /
+#       weight block is all zero, the only way a quantizer emits scale 0 (ours never does: SCALE_FLOOR). Zero
+#       scale over nonzero codes adds that step at the previous units where the reference adds 0: a
+#       documented deviation of variants 1/3/5/7 (variant 0/2 follow the reference).
+#     - Non-finite scales propagate: the output is non-finite wherever the reference's is, in the same
+#       rows/columns only (the ratios are per row and per column).
+#     - Range: acc is the running true sum in units of the current scale: |acc| <= steps * 2^25 * r, r the
+#       largest (earlier scale / current scale), row ratio times column ratio (each a division of two
+#       scales, then one product: sa * sb is never formed, so its underflow does not matter). For any codes
+#       acc stays finite while steps * r < 2^103 (r < 2^95 at K = 32768); beyond, the true value is not a
+#       float32. A scale rising by r divides the earlier sum by r: only what drops below float32's smallest
+#       normal, 2^-126 units of the new scale, can be lost, far below any nonzero fp8 product (>= 2^-18).
+#       The tests run ratios up to 2^100 (2^60 in a row times 2^40 in a column).
+#     - Rounding: about three float32 roundings per scale change (division, ratio product, multiply of acc),
+#       none while scales repeat (BLOCK_K < 128 or equal scales); the CPU tests hold the same 1e-6 mean
+#       relative error as variant 0.
+#     - GPU caveat: Hopper's fp8 wgmma keeps ~14 mantissa bits while it accumulates (DeepSeek-V3), and
+#       Triton's sm90 default lets it accumulate over the whole K (as the rowwise kernel does); in variant 0
+#       every partial starts at zero, so only 128 products are summed that way. Bit 4 (variants 5/7) asks
+#       Triton to promote into float32 every BLOCK_K (tl.dot max_num_imprecise_acc=BLOCK_K), which brings
+#       back a compiler-managed partial tile. Measure the error (benchmarks/tune_scaled_mm.py records it).
+#   2 "tile_scale_b": as 0, but when BLOCK_N divides 128 all of a tile's columns lie in one weight block
+#     (the tile starts at a multiple of BLOCK_N; wrapped columns past N are never stored), so sb is one scalar
+#     per step folded into the row vector: acc += (sa * sb)[:, None] * partial (one FMA per element).
+#   3 = 1 + 2: the rescale is one row vector per step (acc *= ((ua_old / ua) * (ub_old / ub))[:, None]).
+#   5 = 1 + 4, 7 = 3 + 4.
+# The launcher drops bit 2 where BLOCK_N does not divide 128 (3 -> 1, 2 -> 0, 7 -> 5): see blockwise_modes.
+BLOCKWISE_VARIANTS = {
+    0: "two_tiles", 1: "rescaled", 2: "tile_scale_b", 3: "rescaled+tile_scale_b",
+    5: "rescaled+promote", 7: "rescaled+tile_scale_b+promote",
+}
+BLOCKWISE_SCALE_BLOCK = 128
 
 # Split-K is for weight streaming at decode-like M only.
 SPLIT_K_MAX_M = 256
@@ -303,16 +349,33 @@ def _blockwise_kernel(
     stride_sam, stride_sak, stride_sbk, stride_sbn,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, SCALE_MODE: tl.constexpr, SB_PER_TILE: tl.constexpr, PROMOTE: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
+    """SCALE_MODE 0: two float32 tiles (acc and the step's partial); 1: one rescaled accumulator.
+    SB_PER_TILE: one weight-block scale per step for the whole tile (BLOCK_N divides SCALE_BLOCK).
+    PROMOTE (SCALE_MODE 1): the tensor-core sum is promoted into float32 every BLOCK_K.
+    See BLOCKWISE_VARIANTS for the math and the numerical guarantees."""
     pid_k = tl.program_id(1)
     rm, rn, ram, rbn, k_start, a_ptrs, b_ptrs = _tile_operands(
         a_ptr, b_ptr, M, N, K_PER_SPLIT, stride_am, stride_ak, stride_bk, stride_bn,
         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     sa_ptrs = scale_a_ptr + ram * stride_sam
-    # one weight-block scale per column (BLOCK_N may span several 128-wide weight blocks)
-    sb_ptrs = scale_b_ptr + (rbn // SCALE_BLOCK) * stride_sbn
+    if SB_PER_TILE:
+        # the tile's first column is a multiple of BLOCK_N, which divides SCALE_BLOCK: one weight block
+        _, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        sb_ptrs = scale_b_ptr + ((pid_n * BLOCK_N) // SCALE_BLOCK) * stride_sbn
+    else:
+        # one weight-block scale per column (BLOCK_N may span several 128-wide weight blocks)
+        sb_ptrs = scale_b_ptr + (rbn // SCALE_BLOCK) * stride_sbn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SCALE_MODE == 1:
+        # running units: acc_true = (ua[:, None] * ub[None, :]) * acc; any nonzero start works (acc = 0)
+        ua = tl.full((BLOCK_M,), 1.0, tl.float32)
+        if SB_PER_TILE:
+            ub = 1.0  # loop-carried as a float32 scalar
+        else:
+            ub = tl.full((BLOCK_N,), 1.0, tl.float32)
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -321,10 +384,36 @@ def _blockwise_kernel(
         kb = k0 // SCALE_BLOCK
         sa = tl.load(sa_ptrs + kb * stride_sak)
         sb = tl.load(sb_ptrs + kb * stride_sbk)
-        partial = _mma(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), True, INTERPRET)
-        acc += (sa[:, None] * sb[None, :]) * partial
+        if SCALE_MODE == 0:
+            partial = _mma(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), True, INTERPRET)
+            if SB_PER_TILE:
+                acc += (sa * sb)[:, None] * partial
+            else:
+                acc += (sa[:, None] * sb[None, :]) * partial
+        else:
+            # a zero scale keeps the units (its step adds nothing when its codes are zero); NaN/inf pass
+            na = tl.where(sa != 0.0, sa, ua)
+            nb = tl.where(sb != 0.0, sb, ub)
+            ra = tl.math.div_rn(ua, na)
+            rb = tl.math.div_rn(ub, nb)
+            if SB_PER_TILE:
+                acc = acc * (ra * rb)[:, None]
+            else:
+                acc = acc * (ra[:, None] * rb[None, :])
+            if PROMOTE and not INTERPRET:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = _mma(a, b, acc, True, INTERPRET)
+            ua = na
+            ub = nb
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if SCALE_MODE == 1:
+        # the same rounding as the reference's (sa * sb) * part when K is one group
+        if SB_PER_TILE:
+            acc = (ua * ub)[:, None] * acc
+        else:
+            acc = (ua[:, None] * ub[None, :]) * acc
 
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     if SPLIT_K == 1:
@@ -411,6 +500,8 @@ def scaled_mm(
     dummy = scale_a
 
     def launch(cfg: MMConfig) -> torch.Tensor:
+        if cfg.variant:
+            raise ValueError(f"config.variant: scaled_mm has no variants (blockwise only), got {cfg.variant}")
         split = _effective_split(k, cfg, choose_split_k(m, n, k, cfg, a2d.device))
         k_per_split, even_k = _k_partition(k, cfg, split)
         ws = dummy
@@ -456,6 +547,28 @@ def _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, 
     )
 
 
+_VARIANT_BITS = {0: (0, False, False), 1: (1, False, False), 2: (0, True, False), 3: (1, True, False),
+                 5: (1, False, True), 7: (1, True, True)}
+
+
+def blockwise_modes(cfg: MMConfig) -> Tuple[int, bool, bool]:
+    """(SCALE_MODE, SB_PER_TILE, PROMOTE) that the blockwise kernel runs for `cfg` (see BLOCKWISE_VARIANTS):
+    the one-weight-scale-per-tile bit only where BLOCK_N divides the 128-wide weight block, else dropped."""
+    if cfg.variant not in _VARIANT_BITS:
+        raise ValueError(f"config.variant: expected one of {sorted(_VARIANT_BITS)} for blockwise, got {cfg.variant}")
+    if BLOCKWISE_SCALE_BLOCK % cfg.block_k:
+        # one activation scale and one row of weight-block scales per K step
+        raise ValueError(f"config.block_k: must divide {BLOCKWISE_SCALE_BLOCK} for blockwise, got {cfg.block_k}")
+    scale_mode, per_tile, promote = _VARIANT_BITS[cfg.variant]
+    return scale_mode, per_tile and BLOCKWISE_SCALE_BLOCK % cfg.block_n == 0, promote
+
+
+def effective_blockwise_variant(cfg: MMConfig) -> int:
+    """The variant that really runs for `cfg` (bit 2 dropped where BLOCK_N does not divide 128)."""
+    scale_mode, per_tile, promote = blockwise_modes(cfg)
+    return scale_mode | (2 if per_tile else 0) | (4 if promote else 0)
+
+
 def scaled_mm_blockwise(
     a2d: torch.Tensor,
     b: torch.Tensor,
@@ -472,6 +585,7 @@ def scaled_mm_blockwise(
     dummy = out
 
     def launch(cfg: MMConfig) -> torch.Tensor:
+        scale_mode, sb_per_tile, promote = blockwise_modes(cfg)
         split = _effective_split(k, cfg, choose_split_k(m, n, k, cfg, a2d.device))
         k_per_split, even_k = _k_partition(k, cfg, split)
         ws = dummy
@@ -485,7 +599,8 @@ def scaled_mm_blockwise(
             scale_a.stride(0), scale_a.stride(1), scale_b.stride(0), scale_b.stride(1),
             HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            SCALE_BLOCK=128, INTERPRET=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SCALE_BLOCK=BLOCKWISE_SCALE_BLOCK, SCALE_MODE=scale_mode, SB_PER_TILE=sb_per_tile,
+            PROMOTE=promote, INTERPRET=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if split > 1:
             common = dict(SCALE_A_PER_ROW=False, SCALE_B_PER_COL=False, HAS_BIAS=bias is not None,
