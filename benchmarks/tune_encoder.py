@@ -233,11 +233,65 @@ def tune_attention(rows, deadline, dry):
                 print(f"best attention {batch}x{seq}: {b['cfg']} {b['us']} us (sdpa fp16 {b['sdpa_fp16_us']} us)")
 
 
+def compile_report(tiles=GEMM_TILES):
+    """Compile the encoder GEMM for sm90 without a GPU (Triton's bundled ptxas) for each tile x epilogue and
+    print registers, local-memory spill stack and shared memory from the cubin (Triton internals)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from quantfuse.kernels import encoder as ke
+
+    fn = ke._int8_gemm_kernel
+    names = fn.arg_names
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    for tile in tiles:
+        bm, bn, bk, warps, stages = tile
+        for label, epi, gelu, recip, res_mode in (("qkv", 2, False, False, 0), ("qkv recip", 2, False, True, 0),
+                                                   ("gelu", 1, True, False, 0), ("gelu recip", 1, True, True, 0),
+                                                   ("residual", 0, False, False, 1)):
+            const = dict(EPILOGUE=epi, RES_MODE=res_mode, GELU=gelu, HEAD_DIM=64, COLUMN_OUT_SCALE=epi == 1,
+                         COLUMN_RES_SCALE=False, RECIPROCAL=recip, EVEN_K=True, BLOCK_M=bm, BLOCK_N=bn,
+                         BLOCK_K=bk, GROUP_M=8, INTERPRET=False)
+            ptrs = {"a_ptr": "*i8", "w_ptr": "*i8", "bias_ptr": "*fp32", "w_scale_ptr": "*fp32",
+                    "out_scale_ptr": "*fp32", "res_ptr": "*fp16", "out_ptr": "*fp16" if epi == 0 else "*i8",
+                    "vt_ptr": "*i8", "res_scale_vec_ptr": "*fp32"}
+            sig = {a: "constexpr" if a in const else ptrs.get(a, "fp32" if a in ("a_scale", "res_scale") else "i32")
+                   for a in names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if sig[a] not in ("constexpr", "fp32")}
+            src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in const.items()},
+                            attrs=attrs)
+            try:
+                kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                        options=dict(num_warps=warps, num_stages=stages))
+            except Exception as err:  # noqa: BLE001
+                print(f"{tile} {label}: compile failed ({type(err).__name__})")
+                continue
+            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+                f.write(kernel.asm["cubin"])
+            try:
+                usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+            finally:
+                os.unlink(f.name)
+            found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+            print(f"{str(tile):24s} {label:11s} regs {found.group(1) if found else '?':>4s} "
+                  f"spill {found.group(2) if found else '?':>4s} B  smem {kernel.metadata.shared}", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="list candidates; run one of each on CPU")
     parser.add_argument("--parts", default="profile,gemm,attention")
+    parser.add_argument("--compile-report", action="store_true",
+                        help="offline sm90 compile of every GEMM tile x epilogue: registers, spills, shared memory")
     args = parser.parse_args(argv)
+    if args.compile_report:
+        compile_report()
+        return
     gemm_cands, attn_cands = candidates()
     print(f"{len(gemm_cands)} gemm candidates, {len(attn_cands)} attention candidates, budget {BUDGET_S:.0f} s")
     if args.dry_run:
