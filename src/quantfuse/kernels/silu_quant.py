@@ -51,9 +51,16 @@ except ImportError:  # pragma: no cover
 #   token_single_max:    widest row (next power of two of H) a per-token program keeps in registers
 #   token_split_rows:    below this many tokens the per-token path splits rows over programs
 #   chunk:               column chunk of the split per-token path and of the static path
+#   elements_per_warp:   outputs per warp (num_warps = elements in the tile / this, 1..16)
+# benchmarks/tune_silu_quant.py sweeps these on the GPU. Offline sm90 compiles of the per-group tile
+# (elements 4096, group 128: 32 regions, 8 warps) show 156 registers per thread, i.e. one program of 8 warps
+# per SM; 2048 elements (16 regions) need 83 at 8 warps or 154 at 4 (three programs per SM). The per-token
+# tile that holds a 14336-wide row (width 16384) spills (192 B per thread at 16 warps, 96 B at 32).
 SILU_QUANT_CONFIGS = {
-    "sm90": dict(elements=4096, min_programs=264, token_single_max=16384, token_split_rows=128, chunk=2048),
-    "default": dict(elements=4096, min_programs=128, token_single_max=8192, token_split_rows=64, chunk=1024),
+    "sm90": dict(elements=4096, min_programs=264, token_single_max=16384, token_split_rows=128, chunk=2048,
+                 elements_per_warp=512),
+    "default": dict(elements=4096, min_programs=128, token_single_max=8192, token_split_rows=64, chunk=1024,
+                    elements_per_warp=512),
 }
 
 _SCALE_OWN, _SCALE_GIVEN, _SCALE_PARTIALS = 0, 1, 2
@@ -84,8 +91,8 @@ def region_tile(device: torch.device, rows: int, width: int, regions_per_row: in
     min_programs = cfg["min_programs"] if device.type == "cuda" else 1
     while block_r > 1 and triton.cdiv(regions, block_r) < min_programs:
         block_r //= 2
-    # about 16 outputs per thread: two 16-byte loads of gate and of up for 16-bit inputs
-    num_warps = max(1, min(16, (block_r * width) // 512))
+    # default 512 per warp, i.e. 16 outputs per thread: two 16-byte loads of gate and of up for 16-bit inputs
+    num_warps = max(1, min(16, (block_r * width) // cfg["elements_per_warp"]))
     return RegionTile(width, regions_per_row, block_r, triton.next_power_of_2(num_warps))
 
 
