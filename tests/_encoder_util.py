@@ -41,8 +41,9 @@ def int8(*shape, device="cpu"):
     return torch.randint(-128, 128, shape, dtype=torch.int8, device=device)
 
 
-def gemm_case(kind, m, n, k, device, heads=2, residual=None):
-    """Run one fused GEMM through the kernel and the reference; returns (kernel, reference) outputs."""
+def gemm_case(kind, m, n, k, device, heads=2, residual=None, column=False):
+    """Run one fused GEMM through the kernel and the reference; returns (kernel, reference) outputs.
+    column: per-column requantization / int8-residual scales (a smoothed encoder's epilogues)."""
     a = int8(m, k, device=device)
     w = int8(n, k, device=device)
     # scales that put the dequantized values in a range where requantization is non-trivial
@@ -56,12 +57,18 @@ def gemm_case(kind, m, n, k, device, heads=2, residual=None):
         kwargs = dict(out_scale=torch.cat([torch.full((hidden,), acc_rms * f / 40) for f in (1.0, 1.5, 0.7)])
                       .float().to(device), heads=heads, head_dim=hidden // heads, vt_stride=m + 5)
     elif kind == "requant":
-        kwargs = dict(out_scale=torch.tensor([acc_rms / 50], dtype=torch.float32, device=device), gelu=True)
+        if column:
+            out_scale = (acc_rms / 50 * 2.0 ** torch.empty(n, device=device).uniform_(-2, 2)).float()
+        else:
+            out_scale = torch.tensor([acc_rms / 50], dtype=torch.float32, device=device)
+        kwargs = dict(out_scale=out_scale, gelu=True)
     else:
         if residual == "fp16":
             kwargs = dict(residual=(torch.randn(m, n, device=device) * 3).half())
         elif residual == "int8":
-            kwargs = dict(residual=int8(m, n, device=device), residual_scale=enc._f32(0.03))
+            res_scale = (0.03 * 2.0 ** torch.empty(n, device=device).uniform_(-2, 2)).float() if column \
+                else enc._f32(0.03)
+            kwargs = dict(residual=int8(m, n, device=device), residual_scale=res_scale)
     epilogue = kind
     ref = enc.reference_int8_gemm(a, w, a_scale, w_scale, bias, epilogue, **kwargs)
     with ops.backend("triton"):

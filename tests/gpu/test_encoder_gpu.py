@@ -33,6 +33,18 @@ def test_gemm_epilogues_full_size(m, kind, residual):
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("m", [1, 31, 4096 + 7])
+@pytest.mark.parametrize("kind,residual", [("requant", None), ("residual", "int8")])
+def test_gemm_per_column_scales_full_size(m, kind, residual):
+    # a smoothed encoder's epilogues: per-column requantization scales (FC1) and int8 residuals (mode 2)
+    n, k = {"requant": (3072, 768), "residual": (768, 3072)}[kind]
+    out, ref = u.gemm_case(kind, m, n, k, DEV, residual=residual, column=True)
+    if kind == "requant":
+        u.assert_int8_close(out, ref)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-3, atol=2e-3)
+
+
 @pytest.mark.parametrize("lengths", [[1], [31, 32], [127, 1, 64], [384, 200, 384]])
 @pytest.mark.parametrize("head_dim", [64, 32])
 def test_attention_full_size(lengths, head_dim):
