@@ -268,16 +268,23 @@ def run_demo(device: str = "cpu", model_dir: Optional[str] = None, schemes: Sequ
     return rows
 
 
+def _display_name(r: Dict[str, object]) -> str:
+    name = str(r["scheme"])
+    if name in ("int8_static", "int8_encoder_mode1", "int8_encoder_mode2"):
+        name += f" ({r['calibrator']})"
+    if name == "int4_weight_only" and r.get("algorithm"):
+        name += f" ({r['algorithm']})"
+    return name
+
+
 def format_table(rows: List[Dict[str, object]], device: str, n_sentences: int) -> str:
-    header = f"{'scheme':<24} {'weight MB':>9} {'mean cos':>9} {'min cos':>9} {'latency ms':>10} {'speedup':>8}"
+    width = max([24] + [len(_display_name(r)) for r in rows])
+    header = f"{'scheme':<{width}} {'weight MB':>9} {'mean cos':>9} {'min cos':>9} {'latency ms':>10} {'speedup':>8}"
     lines = [f"quantfuse demo: all-MiniLM-L6-v2 on {device}, {n_sentences} sentences "
              f"(cosine vs fp32 embeddings; weight MB = linear layers)", header, "-" * len(header)]
     for r in rows:
-        name = r["scheme"] + (f" ({r['calibrator']})" if r["scheme"] in ("int8_static", "int8_encoder_mode1", "int8_encoder_mode2") else "")
-        if r["scheme"] == "int4_weight_only" and r.get("algorithm"):
-            name += f" ({r['algorithm']})"
-        lines.append(f"{name:<24} {r['weight_mb']:>9.2f} {r['mean_cosine']:>9.5f} {r['min_cosine']:>9.5f} "
-                     f"{r['latency_ms']:>10.2f} {r['speedup']:>7.2f}x")
+        lines.append(f"{_display_name(r):<{width}} {r['weight_mb']:>9.2f} {r['mean_cosine']:>9.5f} "
+                     f"{r['min_cosine']:>9.5f} {r['latency_ms']:>10.2f} {r['speedup']:>7.2f}x")
     if device == "cpu":
         lines.append("(CPU: the ops run their PyTorch reference; latency is not kernel speed)")
     return "\n".join(lines)
