@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The tuning pass on a device machine, in calls that each fit the 10-minute limit of one device command.
-# Usage (repo root):  bash benchmarks/gpu_tune_session.sh 1|2
+# Usage (repo root):  bash benchmarks/gpu_tune_session.sh 1|2|3
 #   1: GPU tests of the kernels whose variants and tables changed without a GPU (encoder smoothing and
 #      reciprocal epilogues, weight-only chunks/inplace/gemv, blockwise variants, silu), then the
 #      weight-only sweep (TUNE_BUDGET_S 300).
-#   2: the blockwise FP8 sweep (240 s), the encoder profile + GEMM/attention sweep (240 s) and the
-#      SiLU-quant table sweep (90 s).
-# Results (JSON + logs) go to $OUT (default benchmarks/results). After both, move the winners into the
-# tables (kernels/weight_only.py _DISPATCH, scaled_mm.py BLOCKWISE_CONFIGS, encoder.py ENCODER_CONFIGS,
-# silu_quant.py SILU_QUANT_CONFIGS) and run benchmarks/gpu_session.sh for the acceptance numbers.
+#   2: the blockwise FP8 sweep (230 s) and the encoder profile + GEMM/attention sweep (230 s).
+#   3: the decode (M <= 16) rowwise scaled-mm sweep (240 s) and the SiLU-quant table sweep (150 s).
+# Each call stays under 600 s (budgets plus start-up). Results (JSON + logs) go to $OUT (default
+# benchmarks/results). Afterwards move the winners into the tables (kernels/weight_only.py _DISPATCH,
+# scaled_mm.py CONFIGS / BLOCKWISE_CONFIGS, encoder.py ENCODER_CONFIGS, silu_quant.py SILU_QUANT_CONFIGS)
+# and run benchmarks/gpu_session.sh for the acceptance numbers.
 set -u
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -25,10 +26,13 @@ case "${1:-1}" in
     TUNE_BUDGET_S=${TUNE_BUDGET_S:-300} timeout 380 python3 benchmarks/tune_weight_only.py 2>&1 | tail -60 || status=1
     ;;
   2)
-    TUNE_BUDGET_S=240 timeout 300 python3 benchmarks/tune_scaled_mm.py 2>&1 | tail -30 || status=1
-    TUNE_BUDGET_S=240 timeout 300 python3 benchmarks/tune_encoder.py 2>&1 | tail -70 || status=1
-    TUNE_BUDGET_S=90 timeout 150 python3 benchmarks/tune_silu_quant.py 2>&1 | tail -12 || status=1
+    TUNE_BUDGET_S=230 timeout 280 python3 benchmarks/tune_scaled_mm.py 2>&1 | tail -30 || status=1
+    TUNE_BUDGET_S=230 timeout 290 python3 benchmarks/tune_encoder.py 2>&1 | tail -70 || status=1
     ;;
-  *) echo "usage: $0 1|2" >&2; exit 2 ;;
+  3)
+    TUNE_BUDGET_S=240 timeout 300 python3 benchmarks/tune_scaled_mm_decode.py 2>&1 | tail -20 || status=1
+    TUNE_BUDGET_S=150 timeout 200 python3 benchmarks/tune_silu_quant.py 2>&1 | tail -12 || status=1
+    ;;
+  *) echo "usage: $0 1|2|3" >&2; exit 2 ;;
 esac
 exit $status
