@@ -106,3 +106,23 @@ def test_encoder_fully_masked_sequence(bert):
     assert int(packed[1].abs().max()) == 0
     v = mask.bool()
     assert torch.equal(padded[v], packed[v])
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_encoder_padded_path_is_cuda_graph_capturable(bert, mode):
+    # the padded forward does no host synchronisation or host-to-device copy: one graph replays it exactly
+    torch.manual_seed(3)
+    enc = Int8Encoder.from_hf(bert, [u.random_batch(2, 64, device=DEV)], mode=mode, calibrator="max")
+    ids, mask = u.random_batch(2, 48, lengths=[48, 30], device=DEV)
+    expected = enc(ids, mask, remove_padding=False)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        enc(ids, mask, remove_padding=False)  # warm-up (compilation) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = enc(ids, mask, remove_padding=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
