@@ -1,6 +1,7 @@
 """Sweep the fused SiLU-and-mul + quantization launch table (SILU_QUANT_CONFIGS in
 quantfuse/kernels/silu_quant.py) on the GPU: tile size (elements per program), outputs per warp, and for
-per-token quantization the row path (one row in registers vs split over programs). A dev tool, not a test.
+per-token quantization the row path (one row in registers, split over programs, or one program walking
+its row twice with the second read from L2). A dev tool, not a test.
 
 Each candidate patches the sm90 table entry, runs silu_and_mul_quant under CUDA graphs with inputs
 rotated past L2 (common.time_ms), and is compared with the copy bandwidth measured in the same run
@@ -28,7 +29,9 @@ GROUP_CANDIDATES = [dict(elements=e, elements_per_warp=w) for e, w in itertools.
                                                                                         (256, 512, 1024))]
 TOKEN_CANDIDATES = ([dict(token_path="single", elements_per_warp=w) for w in (512, 1024)]
                     + [dict(token_path="split", chunk=c, elements=e) for c, e in itertools.product((1024, 2048, 4096),
-                                                                                                   (2048, 4096, 8192))])
+                                                                                                   (2048, 4096, 8192))]
+                    + [dict(token_path="loop", loop_block=b, elements_per_warp=w)
+                       for b, w in itertools.product((1024, 2048, 4096), (256, 512))])
 
 
 def candidates():

@@ -113,7 +113,7 @@ def test_h5120(triton_backend, mode, dtype):
     assert_close_outputs(qf.silu_and_mul_quant(x, dtype, **kw), ref.silu_and_mul_quant(x, dtype, **kw))
 
 
-@pytest.mark.parametrize("path", ["single", "split"])
+@pytest.mark.parametrize("path", ["single", "split", "loop"])
 @pytest.mark.parametrize("h", [64, 1000, 3000])
 @pytest.mark.parametrize("dtype", [INT8, FP8])
 def test_per_token_both_paths(triton_backend, path, h, dtype):
@@ -123,7 +123,7 @@ def test_per_token_both_paths(triton_backend, path, h, dtype):
     assert_close_outputs(got, ref.silu_and_mul_quant(x, dtype))
 
 
-@pytest.mark.parametrize("path", ["single", "split"])
+@pytest.mark.parametrize("path", ["single", "split", "loop"])
 def test_per_token_scale_ub(triton_backend, path):
     x = rand_x(6, 96, torch.float32, scale=10.0)
     ub = torch.tensor([0.05])
@@ -151,15 +151,16 @@ def test_many_chunks_partials(triton_backend):
     x = rand_x(2, 40000, torch.float16)
     x[1, 39999] = 30.0  # the row max of row 1 sits in its last chunk of gate
     x[1, 79999] = 30.0
-    got = ksq.silu_and_mul_quant(x, INT8, None, None, None, False, token_path="split")
-    assert_close_outputs(got, ref.silu_and_mul_quant(x, INT8))
+    for path in ("split", "loop"):
+        got = ksq.silu_and_mul_quant(x, INT8, None, None, None, False, token_path=path)
+        assert_close_outputs(got, ref.silu_and_mul_quant(x, INT8))
 
 
 # ---------------------------------------------------------------------------------------------------
 # Zeros, huge values, non-finite isolation, strides
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [INT8, FP8])
-@pytest.mark.parametrize("mode", ["group", "token", "token_split"])
+@pytest.mark.parametrize("mode", ["group", "token", "token_split", "token_loop"])
 def test_all_zero_regions(triton_backend, dtype, mode):
     x = rand_x(4, 128, torch.bfloat16)
     x[1, 128:] = 0.0  # up = 0: a whole zero row of y
@@ -169,7 +170,7 @@ def test_all_zero_regions(triton_backend, dtype, mode):
         want = ref.silu_and_mul_quant(x, dtype, group_size=32)
         assert got[1][2, 1] == torch.tensor(1e-10) / ref.QMAX[dtype]
     else:
-        path = "split" if mode == "token_split" else "single"
+        path = {"token_split": "split", "token_loop": "loop"}.get(mode, "single")
         got = ksq.silu_and_mul_quant(x, dtype, None, None, None, False, token_path=path)
         want = ref.silu_and_mul_quant(x, dtype)
     assert_close_outputs(got, want)
@@ -214,7 +215,7 @@ def test_non_finite_stays_in_its_region(triton_backend, poison, where, dtype):
     torch.testing.assert_close(got[1][others], want[1][others], rtol=1e-5, atol=0)
     torch.testing.assert_close(got[1][2, [0, 2, 3]], want[1][2, [0, 2, 3]], rtol=1e-5, atol=0)
     # per token, both paths: only row 2 may change
-    for path in ("single", "split"):
+    for path in ("single", "split", "loop"):
         got_t = ksq.silu_and_mul_quant(x, dtype, None, None, None, False, token_path=path)
         want_t = ref.silu_and_mul_quant(clean, dtype)
         assert_codes_equal(got_t[0][others], want_t[0][others], tie_rate=TIE_RATE)

@@ -52,15 +52,16 @@ except ImportError:  # pragma: no cover
 #   token_split_rows:    below this many tokens the per-token path splits rows over programs
 #   chunk:               column chunk of the split per-token path and of the static path
 #   elements_per_warp:   outputs per warp (num_warps = elements in the tile / this, 1..16)
+#   loop_block:          column chunk of the per-token 'loop' path
 # benchmarks/tune_silu_quant.py sweeps these on the GPU. Offline sm90 compiles of the per-group tile
 # (elements 4096, group 128: 32 regions, 8 warps) show 156 registers per thread, i.e. one program of 8 warps
 # per SM; 2048 elements (16 regions) need 83 at 8 warps or 154 at 4 (three programs per SM). The per-token
 # tile that holds a 14336-wide row (width 16384) spills (192 B per thread at 16 warps, 96 B at 32).
 SILU_QUANT_CONFIGS = {
     "sm90": dict(elements=4096, min_programs=264, token_single_max=16384, token_split_rows=128, chunk=2048,
-                 elements_per_warp=512),
+                 elements_per_warp=512, loop_block=2048),
     "default": dict(elements=4096, min_programs=128, token_single_max=8192, token_split_rows=64, chunk=1024,
-                    elements_per_warp=512),
+                    elements_per_warp=512, loop_block=1024),
 }
 
 _SCALE_OWN, _SCALE_GIVEN, _SCALE_PARTIALS = 0, 1, 2
@@ -194,6 +195,36 @@ def _silu_mul_amax_kernel(
     tl.store(partial_ptr + region, tl.max(tl.abs(y), axis=1), mask=region_mask)
 
 
+@triton.jit
+def _silu_mul_quant_row_loop_kernel(
+    x_ptr, q_ptr, scale_ptr, ub_ptr, M, H, stride_xm, stride_qm,
+    QMAX: tl.constexpr, IS_FP8: tl.constexpr, HAS_UB: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, FMA_DIV: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Per token, ROWS rows per program, walked in BLOCK-column chunks twice: the first walk finds each
+    row's amax, the second recomputes y (its x comes back from L2: a program's rows, ~2 * 2H * 2 bytes
+    each, are read moments before) and quantizes. Registers hold one chunk, never the row."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < M
+    amax = tl.zeros([ROWS], dtype=tl.float32)
+    for c0 in range(0, H, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)[None, :]
+        mask = row_mask[:, None] & (cols < H)
+        y = _load_silu_mul(x_ptr, rows, cols, mask, H, stride_xm, INTERPRET)
+        # one reduction over the chunk and the running maximum: tl.max of the pair keeps the NaN
+        # behaviour of the one-pass kernels (a NaN anywhere in the row reaches the row's scale)
+        pair = tl.join(amax, tl.max(tl.abs(y), axis=1))
+        amax = tl.max(pair, axis=1)
+    scale = _region_scale(amax, QMAX, HAS_UB, ub_ptr)
+    tl.store(scale_ptr + rows, scale, mask=row_mask)
+    for c0 in range(0, H, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)[None, :]
+        mask = row_mask[:, None] & (cols < H)
+        y = _load_silu_mul(x_ptr, rows, cols, mask, H, stride_xm, INTERPRET)
+        q = quantize_value(_divide_rows(y, scale, FMA_DIV), IS_FP8, INTERPRET)
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols, q, mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Launcher: x2d is [M, 2H] with a unit last stride and any row stride; arguments already validated.
 # ----------------------------------------------------------------------------------------------------
@@ -211,7 +242,9 @@ def _launch(x2d, q, scales, ub, partials, tile: RegionTile, h, mode, dtype, stri
 
 
 def per_token_path(device: torch.device, m: int, h: int) -> str:
-    """'single' (a row per region, x read once) or 'split' (rows over several programs, two kernels)."""
+    """'single' (a row per region, x read once) or 'split' (rows over several programs, two kernels);
+    'loop' (a row per program walked twice, second read from L2) is chosen only when forced, until the
+    GPU sweep (benchmarks/tune_silu_quant.py) measures it against the other two."""
     cfg = _config(device)
     if triton.next_power_of_2(h) > cfg["token_single_max"] or m < cfg["token_split_rows"]:
         return "split"
@@ -250,6 +283,17 @@ def silu_and_mul_quant(
 
     scales = torch.empty((m, 1), dtype=torch.float32, device=x2d.device)
     path = token_path or per_token_path(x2d.device, m, h)
+    if path == "loop":
+        cfg = _config(x2d.device)
+        block = min(triton.next_power_of_2(h), cfg["loop_block"])
+        rows = 1
+        _silu_mul_quant_row_loop_kernel[(triton.cdiv(m, rows),)](
+            x2d, q, scales, scale_ub if scale_ub is not None else scales, m, h, x2d.stride(0), q.stride(0),
+            QMAX=_QMAX[dtype], IS_FP8=dtype == torch.float8_e4m3fn, HAS_UB=scale_ub is not None,
+            ROWS=rows, BLOCK=block, FMA_DIV=not INTERPRET, INTERPRET=INTERPRET,
+            num_warps=max(1, min(8, block // cfg["elements_per_warp"])),
+        )
+        return q, scales
     if path == "single":
         tile = region_tile(x2d.device, m, triton.next_power_of_2(h), 1)
         _launch(x2d, q, scales, scale_ub, None, tile, h, _SCALE_OWN, dtype, 1, 0)
