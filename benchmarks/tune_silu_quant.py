@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 BUDGET_S = float(os.environ.get("TUNE_BUDGET_S", "240"))
-SHAPES = [("fp8_g128", 4096, 14336), ("fp8_g128", 16384, 14336), ("fp8_g128", 4096, 5120), ("fp8_g128", 256, 14336),
-          ("int8_g128", 4096, 14336), ("fp8_token", 4096, 14336), ("fp8_token", 256, 14336)]
-GROUP_CANDIDATES = [dict(elements=e, elements_per_warp=w) for e, w in itertools.product((1024, 2048, 4096, 8192),
+SHAPES = [("fp8_token", 4096, 14336), ("fp8_g128", 4096, 14336), ("fp8_g128", 16384, 14336), ("fp8_token", 256, 14336),
+          ("fp8_g128", 4096, 5120), ("fp8_g128", 256, 14336), ("int8_g128", 4096, 14336)]
+GROUP_CANDIDATES = [dict(elements=e, elements_per_warp=w) for e, w in itertools.product((2048, 4096, 8192),
                                                                                         (256, 512, 1024))]
 TOKEN_CANDIDATES = ([dict(token_path="single", elements_per_warp=w) for w in (512, 1024)]
                     + [dict(token_path="split", chunk=c, elements=e) for c, e in itertools.product((1024, 2048, 4096),
