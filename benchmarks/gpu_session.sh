@@ -3,11 +3,7 @@
 # Usage on the device (from the repo root):  bash benchmarks/gpu_session.sh [bench names...]
 #   e.g. `bash benchmarks/gpu_session.sh quantize scaled_mm`; no names runs every benchmarks/bench_*.py.
 set -u
-export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-OUT="${OUT:-$PWD/benchmarks/results}"
-mkdir -p "$OUT"
-python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
+. "$(dirname "$0")/_gpu_env.sh"
 status=0
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   python3 -m pytest -m gpu tests/gpu ${GPU_TEST_ARGS:-} -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40

@@ -11,11 +11,7 @@
 # scaled_mm.py CONFIGS / BLOCKWISE_CONFIGS, encoder.py ENCODER_CONFIGS, silu_quant.py SILU_QUANT_CONFIGS)
 # and run benchmarks/gpu_session.sh for the acceptance numbers.
 set -u
-export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-OUT="${OUT:-$PWD/benchmarks/results}"
-mkdir -p "$OUT"
-python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
+. "$(dirname "$0")/_gpu_env.sh"
 status=0
 case "${1:-1}" in
   1)

@@ -30,8 +30,9 @@ GROUP_CANDIDATES = [dict(elements=e, elements_per_warp=w) for e, w in itertools.
 TOKEN_CANDIDATES = ([dict(token_path="single", elements_per_warp=w) for w in (512, 1024)]
                     + [dict(token_path="split", chunk=c, elements=e) for c, e in itertools.product((1024, 2048, 4096),
                                                                                                    (2048, 4096, 8192))]
-                    + [dict(token_path="loop", loop_block=b, elements_per_warp=w)
-                       for b, w in itertools.product((1024, 2048, 4096), (256, 512))])
+                    + [dict(token_path="loop", loop_block=b, elements_per_warp=w, loop_rows=r)
+                       for b, w, r in itertools.product((1024, 2048, 4096), (256, 512), (1, 2))
+                       if r * b <= 4096])
 
 
 def candidates():

@@ -123,6 +123,17 @@ def test_per_token_both_paths(triton_backend, path, h, dtype):
     assert_close_outputs(got, ref.silu_and_mul_quant(x, dtype))
 
 
+@pytest.mark.parametrize("dtype", [INT8, FP8])
+def test_per_token_loop_two_rows_per_program(triton_backend, monkeypatch, dtype):
+    # the 'loop' path with two rows per program over an odd token count (the last program's second row is
+    # masked) and a masked column tail in each chunk walk
+    monkeypatch.setitem(ksq.SILU_QUANT_CONFIGS["default"], "loop_rows", 2)
+    monkeypatch.setitem(ksq.SILU_QUANT_CONFIGS["default"], "loop_block", 256)
+    x = rand_x(5, 1000, torch.bfloat16)
+    got = ksq.silu_and_mul_quant(x, dtype, None, None, None, False, token_path="loop")
+    assert_close_outputs(got, ref.silu_and_mul_quant(x, dtype))
+
+
 @pytest.mark.parametrize("path", ["single", "split", "loop"])
 def test_per_token_scale_ub(triton_backend, path):
     x = rand_x(6, 96, torch.float32, scale=10.0)

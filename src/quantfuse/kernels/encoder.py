@@ -291,6 +291,22 @@ def int8_gemm(
 # int8 attention: QK^T -> masked softmax (fp32) -> int8 P -> P.V -> dequant + head merge + requant
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
+def _masked_scores(q, k_base, key_mask_ptr, start, n0, length, score_scale_log2,
+                   HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scores of the query block against keys n0 .. n0 + BLOCK_N - 1 of the sequence, (Q_q . K_q^T) times
+    the scale (log2 units), -inf at keys past the sequence or masked out; with the key columns."""
+    d = tl.arange(0, HEAD_DIM)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    in_seq = cols < length
+    k = tl.load(k_base + (start + cols)[:, None] * HEAD_DIM + d[None, :], mask=in_seq[:, None], other=0)
+    s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * score_scale_log2
+    valid = in_seq
+    if HAS_MASK:
+        valid = valid & (tl.load(key_mask_ptr + start + cols, mask=in_seq, other=0) != 0)
+    return tl.where(valid[None, :], s, float("-inf")), cols, in_seq
+
+
+@triton.jit
 def _int8_attention_kernel(
     qk_ptr, vt_ptr, out_ptr, cu_seqlens_ptr, key_mask_ptr,
     T, k_plane, stride_vt, stride_om,
@@ -316,14 +332,8 @@ def _int8_attention_kernel(
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         for n0 in range(0, length, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
-            in_seq = cols < length
-            k = tl.load(k_base + (start + cols)[:, None] * HEAD_DIM + d[None, :], mask=in_seq[:, None], other=0)
-            s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * score_scale_log2
-            valid = in_seq
-            if HAS_MASK:
-                valid = valid & (tl.load(key_mask_ptr + start + cols, mask=in_seq, other=0) != 0)
-            s = tl.where(valid[None, :], s, float("-inf"))
+            s, cols, in_seq = _masked_scores(q, k_base, key_mask_ptr, start, n0, length, score_scale_log2,
+                                             HEAD_DIM, HAS_MASK, BLOCK_N)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
@@ -335,14 +345,8 @@ def _int8_attention_kernel(
         p_factor = tl.where(l_i > 0.0, inv_p_scale / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.int32)
         for n0 in range(0, length, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
-            in_seq = cols < length
-            k = tl.load(k_base + (start + cols)[:, None] * HEAD_DIM + d[None, :], mask=in_seq[:, None], other=0)
-            s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * score_scale_log2
-            valid = in_seq
-            if HAS_MASK:
-                valid = valid & (tl.load(key_mask_ptr + start + cols, mask=in_seq, other=0) != 0)
-            s = tl.where(valid[None, :], s, float("-inf"))
+            s, cols, in_seq = _masked_scores(q, k_base, key_mask_ptr, start, n0, length, score_scale_log2,
+                                             HEAD_DIM, HAS_MASK, BLOCK_N)
             p = tl.exp2(s - m_safe[:, None]) * p_factor[:, None]
             p_q = to_int8_sat(p)
             vt = tl.load(vt_base + d[:, None] * stride_vt + (start + cols)[None, :], mask=in_seq[None, :], other=0)

@@ -52,16 +52,16 @@ except ImportError:  # pragma: no cover
 #   token_split_rows:    below this many tokens the per-token path splits rows over programs
 #   chunk:               column chunk of the split per-token path and of the static path
 #   elements_per_warp:   outputs per warp (num_warps = elements in the tile / this, 1..16)
-#   loop_block:          column chunk of the per-token 'loop' path
+#   loop_block, loop_rows: column chunk and rows per program of the per-token 'loop' path
 # benchmarks/tune_silu_quant.py sweeps these on the GPU. Offline sm90 compiles of the per-group tile
 # (elements 4096, group 128: 32 regions, 8 warps) show 156 registers per thread, i.e. one program of 8 warps
 # per SM; 2048 elements (16 regions) need 83 at 8 warps or 154 at 4 (three programs per SM). The per-token
 # tile that holds a 14336-wide row (width 16384) spills (192 B per thread at 16 warps, 96 B at 32).
 SILU_QUANT_CONFIGS = {
     "sm90": dict(elements=4096, min_programs=264, token_single_max=16384, token_split_rows=128, chunk=2048,
-                 elements_per_warp=512, loop_block=2048),
+                 elements_per_warp=512, loop_block=2048, loop_rows=1),
     "default": dict(elements=4096, min_programs=128, token_single_max=8192, token_split_rows=64, chunk=1024,
-                    elements_per_warp=512, loop_block=1024),
+                    elements_per_warp=512, loop_block=1024, loop_rows=1),
 }
 
 _SCALE_OWN, _SCALE_GIVEN, _SCALE_PARTIALS = 0, 1, 2
@@ -286,12 +286,12 @@ def silu_and_mul_quant(
     if path == "loop":
         cfg = _config(x2d.device)
         block = min(triton.next_power_of_2(h), cfg["loop_block"])
-        rows = 1
+        rows = cfg["loop_rows"]
         _silu_mul_quant_row_loop_kernel[(triton.cdiv(m, rows),)](
             x2d, q, scales, scale_ub if scale_ub is not None else scales, m, h, x2d.stride(0), q.stride(0),
             QMAX=_QMAX[dtype], IS_FP8=dtype == torch.float8_e4m3fn, HAS_UB=scale_ub is not None,
             ROWS=rows, BLOCK=block, FMA_DIV=not INTERPRET, INTERPRET=INTERPRET,
-            num_warps=max(1, min(8, block // cfg["elements_per_warp"])),
+            num_warps=max(1, min(8, rows * block // cfg["elements_per_warp"])),
         )
         return q, scales
     if path == "single":

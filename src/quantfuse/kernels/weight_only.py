@@ -157,6 +157,43 @@ def _dequant_field(words, words_hi, field_mask, I: tl.constexpr, BITS: tl.conste
 
 
 @triton.jit
+def _split_words(w_ptr, N, K, chunks_per_split, stride_wn,
+                 BITS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
+    """This program's output columns, the pointers of its [BLOCK_N, CHUNKS, 16] word tile, and its split's
+    chunk range [c_begin, c_end) with the K limit past which x is masked to 0."""
+    CHUNK: tl.constexpr = 16 * (32 // BITS)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    ci = tl.arange(0, CHUNKS)[None, :, None]  # chunk within the iteration
+    j3 = tl.arange(0, 16)[None, None, :]
+    n3 = offs_n[:, None, None]
+    w_tile = w_ptr + n3.to(tl.int64) * stride_wn + ci * 16 + j3
+    c_begin = tl.program_id(1) * chunks_per_split
+    c_end = tl.minimum(c_begin + chunks_per_split, tl.cdiv(K, CHUNK))
+    if CHUNKS == 1:
+        k_end = K
+    else:
+        k_end = tl.minimum(K, c_end * CHUNK)
+    return offs_n, n_mask, ci, j3, n3, w_tile, c_begin, c_end, k_end
+
+
+@triton.jit
+def _load_words(w_tile, cc, ci, n3_mask, c_end, CHUNKS: tl.constexpr, CONVERT: tl.constexpr):
+    """Words of the chunks cc .. cc + CHUNKS - 1 (0 past the split's end), their validity, and for the
+    in-place conversion the words shifted right by 12 (`_field_minus_zero`)."""
+    if CHUNKS == 1:
+        valid = n3_mask
+    else:
+        valid = n3_mask & (cc + ci < c_end)
+    words = tl.load(w_tile + cc * 16, mask=valid, other=0)
+    if CONVERT == 1:
+        words_hi = words >> 12
+    else:
+        words_hi = words
+    return valid, words, words_hi
+
+
+@triton.jit
 def _wo_mm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, num_groups, group_size, chunks_per_split, field_mask,
@@ -178,18 +215,12 @@ def _wo_mm_kernel(
     instead of wgmma."""
     FIELDS: tl.constexpr = 32 // BITS
     CHUNK: tl.constexpr = 16 * FIELDS
-    pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    ci = tl.arange(0, CHUNKS)[None, :, None]  # chunk within the iteration
-    j3 = tl.arange(0, 16)[None, None, :]
-    n3 = offs_n[:, None, None]
+    offs_n, n_mask, ci, j3, n3, w_tile, c_begin, c_end, k_end = _split_words(
+        w_ptr, N, K, chunks_per_split, stride_wn, BITS, BLOCK_N, CHUNKS)
     nm3 = n_mask[:, None, None]
-    w_tile = w_ptr + n3.to(tl.int64) * stride_wn + ci * 16 + j3
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
     r = tl.arange(0, 16 * CHUNKS)  # dot row -> k offset from the iteration's first chunk (minus 16 * field)
     if CHUNKS == 1:
         r_k = r
@@ -198,24 +229,9 @@ def _wo_mm_kernel(
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
     x_dtype = x_ptr.dtype.element_ty
 
-    total_chunks = tl.cdiv(K, CHUNK)
-    c_begin = pid_s * chunks_per_split
-    c_end = tl.minimum(c_begin + chunks_per_split, total_chunks)
-    if CHUNKS == 1:
-        k_end = K
-    else:
-        k_end = tl.minimum(K, c_end * CHUNK)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for cc in range(c_begin, c_end, CHUNKS):
-        if CHUNKS == 1:
-            valid = nm3
-        else:
-            valid = nm3 & (cc + ci < c_end)
-        words = tl.load(w_tile + cc * 16, mask=valid, other=0)
-        if CONVERT == 1:
-            words_hi = words >> 12
-        else:
-            words_hi = words
+        valid, words, words_hi = _load_words(w_tile, cc, ci, nm3, c_end, CHUNKS, CONVERT)
         k_base = cc * CHUNK
         for i in tl.static_range(FIELDS):
             if i % GROUP_FIELDS == 0:
@@ -286,39 +302,21 @@ def _wo_gemv_kernel(
     tl.static_assert(BLOCK_M >= 1 and BLOCK_M <= 4, "gemv kernel: BLOCK_M must be 1..4")
     FIELDS: tl.constexpr = 32 // BITS
     CHUNK: tl.constexpr = 16 * FIELDS
-    pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    m0 = pid_m * BLOCK_M
-    ci = tl.arange(0, CHUNKS)[None, :, None]
-    j3 = tl.arange(0, 16)[None, None, :]
-    n3 = offs_n[:, None, None]
+    offs_n, n_mask, ci, j3, n3, w_tile, c_begin, c_end, k_end = _split_words(
+        w_ptr, N, K, chunks_per_split, stride_wn, BITS, BLOCK_N, CHUNKS)
     nm3 = n_mask[:, None, None]
-    w_tile = w_ptr + n3.to(tl.int64) * stride_wn + ci * 16 + j3
+    m0 = tl.program_id(2) * BLOCK_M
     k3 = ci * CHUNK + j3  # [1, CHUNKS, 16]: k offset of field 0 of each word from the iteration's start
     x_row = x_ptr + m0.to(tl.int64) * stride_xm
     x_dtype = x_ptr.dtype.element_ty
 
-    total_chunks = tl.cdiv(K, CHUNK)
-    c_begin = pid_s * chunks_per_split
-    c_end = tl.minimum(c_begin + chunks_per_split, total_chunks)
-    k_end = tl.minimum(K, c_end * CHUNK)
     acc0 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
     for cc in range(c_begin, c_end, CHUNKS):
-        if CHUNKS == 1:
-            valid = nm3
-        else:
-            valid = nm3 & (cc + ci < c_end)
-        words = tl.load(w_tile + cc * 16, mask=valid, other=0)
-        if CONVERT == 1:
-            words_hi = words >> 12
-        else:
-            words_hi = words
+        valid, words, words_hi = _load_words(w_tile, cc, ci, nm3, c_end, CHUNKS, CONVERT)
         k_base = cc * CHUNK
         for i in tl.static_range(FIELDS):
             if i % GROUP_FIELDS == 0:
