@@ -412,21 +412,20 @@ class Int8Encoder(torch.nn.Module):
         self.register_buffer("token_type", fp.type.half())
         self.register_buffer("emb_ln_w", fp.emb_ln_w.clone())
         self.register_buffer("emb_ln_b", fp.emb_ln_b.clone())
-        n_layers = len(fp.layers)
-        ones = lambda size: torch.ones(size, dtype=torch.float32, device=fp.word.device)  # noqa: E731
-        smooth = smooth or {name: [ones(size)] * n_layers
-                            for name, size in (("in", fp.hidden), ("h", fp.hidden), ("f", fp.layers[0]["w1"].shape[0]))}
         for i, lp in enumerate(fp.layers):
-            # SmoothQuant folded exactly: the consumer's weight columns times the factor, the producer's int8
-            # output divided by it through per-column quantization scales s_x * factor[c].
-            lp = dict(lp)
-            for key in ("wq", "wk", "wv"):
-                lp[key] = lp[key] * smooth["in"][i][None, :]
-            lp["w1"] = lp["w1"] * smooth["h"][i][None, :]
-            lp["w2"] = lp["w2"] * smooth["f"][i][None, :]
-            for name in ("in", "h", "f"):
-                col = torch.tensor(scales[name][i], dtype=torch.float32, device=fp.word.device) * smooth[name][i]
-                self.register_buffer(f"l{i}_{name}_cs", col.float().contiguous())
+            if smooth is not None:
+                # SmoothQuant folded exactly: the consumer's weight columns times the factor, the producer's
+                # int8 output divided by it through per-column quantization scales s_x * factor[c].
+                lp = dict(lp)
+                for key in ("wq", "wk", "wv"):
+                    lp[key] = lp[key] * smooth["in"][i][None, :]
+                lp["w1"] = lp["w1"] * smooth["h"][i][None, :]
+                lp["w2"] = lp["w2"] * smooth["f"][i][None, :]
+            for name, width in (("in", fp.hidden), ("h", fp.hidden), ("f", lp["w1"].shape[0])):
+                col = torch.full((width,), scales[name][i], dtype=torch.float32, device=fp.word.device)
+                if smooth is not None:
+                    col = col * smooth[name][i]
+                self.register_buffer(f"l{i}_{name}_cs", col.contiguous())
             w_qkv = torch.cat([lp["wq"], lp["wk"], lp["wv"]], 0)
             for name, w, bias in (("qkv", w_qkv, torch.cat([lp["bq"], lp["bk"], lp["bv"]])),
                                   ("o", lp["wo"], lp["bo"]), ("fc1", lp["w1"], lp["b1"]), ("fc2", lp["w2"], lp["b2"])):
