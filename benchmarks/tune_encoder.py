@@ -255,7 +255,7 @@ def compile_report(tiles=GEMM_TILES):
                                                    ("gelu", 1, True, False, 0), ("gelu recip", 1, True, True, 0),
                                                    ("residual", 0, False, False, 1)):
             const = dict(EPILOGUE=epi, RES_MODE=res_mode, GELU=gelu, HEAD_DIM=64, COLUMN_OUT_SCALE=epi == 1,
-                         COLUMN_RES_SCALE=False, RECIPROCAL=recip, EVEN_K=True, BLOCK_M=bm, BLOCK_N=bn,
+                         COLUMN_RES_SCALE=False, RECIPROCAL=recip, ALIGNED_QKV=epi == 2, EVEN_K=True, BLOCK_M=bm, BLOCK_N=bn,
                          BLOCK_K=bk, GROUP_M=8, INTERPRET=False)
             ptrs = {"a_ptr": "*i8", "w_ptr": "*i8", "bias_ptr": "*fp32", "w_scale_ptr": "*fp32",
                     "out_scale_ptr": "*fp32", "res_ptr": "*fp16", "out_ptr": "*fp16" if epi == 0 else "*i8",
@@ -269,7 +269,7 @@ def compile_report(tiles=GEMM_TILES):
                 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                         options=dict(num_warps=warps, num_stages=stages))
             except Exception as err:  # noqa: BLE001
-                print(f"{tile} {label}: compile failed ({type(err).__name__})")
+                print(f"{tile} {label}: compile failed ({type(err).__name__}: {str(err)[-300:]})")
                 continue
             with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
                 f.write(kernel.asm["cubin"])

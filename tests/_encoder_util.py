@@ -41,9 +41,10 @@ def int8(*shape, device="cpu"):
     return torch.randint(-128, 128, shape, dtype=torch.int8, device=device)
 
 
-def gemm_case(kind, m, n, k, device, heads=2, residual=None, column=False):
+def gemm_case(kind, m, n, k, device, heads=2, residual=None, column=False, config=None):
     """Run one fused GEMM through the kernel and the reference; returns (kernel, reference) outputs.
-    column: per-column requantization / int8-residual scales (a smoothed encoder's epilogues)."""
+    column: per-column requantization / int8-residual scales (a smoothed encoder's epilogues);
+    config: a forced (block_m, block_n, block_k, num_warps, num_stages) tile."""
     a = int8(m, k, device=device)
     w = int8(n, k, device=device)
     # scales that put the dequantized values in a range where requantization is non-trivial
@@ -74,7 +75,7 @@ def gemm_case(kind, m, n, k, device, heads=2, residual=None, column=False):
     with ops.backend("triton"):
         from quantfuse.kernels import encoder as ke
 
-        out = ke.int8_gemm(a, w, a_scale, w_scale, bias, epilogue, **kwargs)
+        out = ke.int8_gemm(a, w, a_scale, w_scale, bias, epilogue, config=config, **kwargs)
     return out, ref
 
 

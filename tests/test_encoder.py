@@ -54,6 +54,19 @@ def test_gemm_qkv_head_split(m, k):
     assert (ref[0] != 0).float().mean() > 0.5  # the scales make the requantization non-trivial
 
 
+@pytest.mark.parametrize("heads,head_dim,block_n", [
+    (2, 32, 64),   # tile = 2 whole heads (vector-store path, runs of head_dim)
+    (2, 32, 16),   # tile = half a head (vector-store path, runs of block_n)
+    (3, 16, 32),   # hidden 48 is no multiple of the tile: tiles straddle Q | K | V (per-element path)
+])
+def test_gemm_qkv_store_paths(heads, head_dim, block_n):
+    m = 37
+    out, ref = u.gemm_case("qkv", m, 3 * heads * head_dim, 40, DEV, heads=heads, config=(32, block_n, 32, 4, 2))
+    assert out[0].shape == (2, heads, m, head_dim)
+    u.assert_int8_close(out[0], ref[0])
+    u.assert_int8_close(out[1][:, :, :m], ref[1][:, :, :m])
+
+
 @pytest.mark.parametrize("m", [1, 31, 32, 127])
 @pytest.mark.parametrize("gelu", [True, False])
 def test_gemm_requant(m, gelu):

@@ -271,9 +271,10 @@ def test_mmconfig_compatible_and_tables_unchanged():
     assert c.variant == 0 and c.group_m == 8 and c.split_k == 0
     assert kmm.MMConfig(64, 128, 128, 4, 3, 8, 0, 3).variant == 3
     assert kmm._INTERPRET_CONFIG.variant == 0
-    for table in (kmm.CONFIGS, kmm.BLOCKWISE_CONFIGS):
-        for bucket in table.values():
-            assert all(c.variant == 0 for _, cands in bucket for c in cands)
+    for bucket in kmm.CONFIGS.values():
+        assert all(c.variant == 0 for entry in bucket for c in entry[-1])
+    for bucket in kmm.BLOCKWISE_CONFIGS.values():
+        assert all(c.variant not in kmm._GPU_INACCURATE_VARIANTS for entry in bucket for c in entry[-1])
 
 
 @pytest.mark.parametrize("variant,block_n,effective", [
@@ -300,8 +301,20 @@ def test_bad_variant_configs_raise():
 # GPU (`pytest -m gpu tests/kernels/test_scaled_mm_blockwise_variants.py` on the device): real tiles,
 # the spec's bound (mean relative error < 1e-3, float32 out) per weight block
 # ---------------------------------------------------------------------------------------------------
+GPU_VARIANTS = [v for v in VARIANTS if v not in kmm._GPU_INACCURATE_VARIANTS]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", sorted(kmm._GPU_INACCURATE_VARIANTS))
+def test_inaccurate_variants_refused_on_gpu(variant):
+    a, b, sa, sb = make_inputs(64, 256, 128, "row", device="cuda")
+    with pytest.raises(ValueError, match="config.variant"):
+        kmm.scaled_mm_blockwise(a, b, sa, sb, torch.float32, None,
+                                config=kmm.MMConfig(64, 128, 128, 4, 3, variant=variant))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
 @pytest.mark.parametrize("tile", [(64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 256, 8, 3)])
 def test_variant_gpu(variant, tile):
     m, k, n = 1000, 4096, 1000

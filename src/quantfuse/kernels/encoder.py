@@ -48,15 +48,22 @@ from .configs import arch_key, sm_count
 ENCODER_CONFIGS = {
     "sm90": {
         # (block_m, block_n, block_k, num_warps, num_stages, min_waves)
-        # 128x256 tiles are out: compiled for sm90 (Triton's ptxas, offline) the GELU-requant epilogue
-        # spilled 208 B and the residual epilogue 304 B of local memory per thread at 255 registers;
-        # 128x128x128 with 8 warps and 64x128x128 with 4 warps compile without spills for every epilogue.
+        # From benchmarks/tune_encoder.py on the H100 (BERT-base GEMMs at 4096 and 16384 tokens): 128x128x128
+        # with 4 warps and 3 stages once the grid fills two waves (fc1 at 16384 tokens 185 us vs 234 us for
+        # the earlier 8-warp, 4-stage first choice; o 65.9 vs 80.3), else 128x64 (o at 4096: 26.9 vs 56.1).
+        # 128x256 tiles are out: compiled for sm90 (Triton's ptxas, offline) their epilogues spill.
         "gemm": [
-            (128, 128, 128, 8, 4, 1.0),
-            (64, 128, 128, 4, 4, 1.0),
+            (128, 128, 128, 4, 3, 2.0),
+            (128, 64, 128, 4, 4, 1.0),
             (64, 64, 128, 4, 4, 0.0),
         ],
-        "attention": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
+        # the QKV GEMM (head-split int8 stores): 128x64, 128 registers, no spills (offline sm90 compile)
+        "gemm_qkv": [
+            (128, 64, 128, 4, 4, 1.0),
+            (64, 64, 128, 4, 4, 0.0),
+        ],
+        # the sweep's best at 128x128 (70.7 us vs 74.6 for 64x64x2 stages) and within 1% of it at 32x384
+        "attention": {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3},
         "layernorm_rows_budget": 4096,
         # requantizing epilogues multiply by 1 / s_out (one division per column) instead of dividing every
         # element; results differ from a true division only at rounding ties (the tests allow one code
@@ -66,6 +73,10 @@ ENCODER_CONFIGS = {
     },
     "default": {
         "gemm": [
+            (64, 64, 64, 4, 3, 1.0),
+            (32, 32, 32, 4, 2, 0.0),
+        ],
+        "gemm_qkv": [
             (64, 64, 64, 4, 3, 1.0),
             (32, 32, 32, 4, 2, 0.0),
         ],
@@ -103,7 +114,7 @@ def _int8_gemm_kernel(
     a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
     EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
     COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr, RECIPROCAL: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ALIGNED_QKV: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -168,21 +179,43 @@ def _int8_gemm_kernel(
     else:
         out_scale = tl.load(out_scale_ptr + rn, mask=n_ok, other=1.0)
         q = to_int8_sat(_requant(v, out_scale[None, :], RECIPROCAL))
-        which = rn // HIDDEN
-        within = rn - which * HIDDEN
-        head = within // HEAD_DIM
-        d = within - head * HEAD_DIM
-        # Q, K: [2, heads, M, HEAD_DIM]
-        qk_off = (which * HIDDEN).to(tl.int64)[None, :] * M + (head * HEAD_DIM).to(tl.int64)[None, :] * M \
-            + rm[:, None] * HEAD_DIM + d[None, :]
-        tl.store(out_ptr + qk_off, q, mask=mask & (which < 2)[None, :])
-        # V^T: [heads, HEAD_DIM, stride_vt]
-        vt_off = (head * HEAD_DIM + d).to(tl.int64)[None, :] * stride_vt + rm[:, None]
-        tl.store(vt_ptr + vt_off, q, mask=mask & (which == 2)[None, :])
+        if ALIGNED_QKV:
+            # The tile lies inside one of Q | K | V (HIDDEN % BLOCK_N == 0) and its columns run through
+            # whole runs of SUB = min(BLOCK_N, HEAD_DIM) within one head: built from the scalar tile start
+            # plus j // SUB and j % SUB, the addresses show the compiler SUB contiguous bytes (Q, K) or
+            # BLOCK_M contiguous bytes (V^T), so the stores are vector stores instead of one byte per lane.
+            SUB: tl.constexpr = BLOCK_N if BLOCK_N < HEAD_DIM else HEAD_DIM
+            col0 = pid_n * BLOCK_N
+            which = col0 // HIDDEN
+            j = tl.arange(0, BLOCK_N)
+            colw = (col0 - which * HIDDEN) + (j // SUB) * SUB
+            head = colw // HEAD_DIM
+            d = colw - head * HEAD_DIM + j % SUB
+            if which < 2:
+                # Q, K: [2, heads, M, HEAD_DIM]
+                qk_off = ((which * (HIDDEN // HEAD_DIM) + head).to(tl.int64) * M)[None, :] * HEAD_DIM \
+                    + rm[:, None] * HEAD_DIM + d[None, :]
+                tl.store(out_ptr + qk_off, q, mask=mask)
+            else:
+                # V^T: [heads, HEAD_DIM, stride_vt]
+                vt_off = (head * HEAD_DIM + d).to(tl.int64)[None, :] * stride_vt + rm[:, None]
+                tl.store(vt_ptr + vt_off, q, mask=mask)
+        else:
+            which = rn // HIDDEN
+            within = rn - which * HIDDEN
+            head = within // HEAD_DIM
+            d = within - head * HEAD_DIM
+            # Q, K: [2, heads, M, HEAD_DIM]
+            qk_off = (which * HIDDEN).to(tl.int64)[None, :] * M + (head * HEAD_DIM).to(tl.int64)[None, :] * M \
+                + rm[:, None] * HEAD_DIM + d[None, :]
+            tl.store(out_ptr + qk_off, q, mask=mask & (which < 2)[None, :])
+            # V^T: [heads, HEAD_DIM, stride_vt]
+            vt_off = (head * HEAD_DIM + d).to(tl.int64)[None, :] * stride_vt + rm[:, None]
+            tl.store(vt_ptr + vt_off, q, mask=mask & (which == 2)[None, :])
 
 
-def _pick_gemm_tile(device: torch.device, m: int, n: int, k: int):
-    tiles = _table(device)["gemm"]
+def _pick_gemm_tile(device: torch.device, m: int, n: int, k: int, epilogue: str = "requant"):
+    tiles = _table(device)["gemm_qkv" if epilogue == "qkv" else "gemm"]
     sms = sm_count(device)
     for bm, bn, bk, warps, stages, min_waves in tiles:
         if bk > max(16, triton.next_power_of_2(k)):
@@ -250,7 +283,7 @@ def int8_gemm(
                          f"got {w.shape[0]}")
     m, k = a.shape
     dev = a.device
-    bm, bn, bk, warps, stages = config if config is not None else _pick_gemm_tile(dev, m, n, k)
+    bm, bn, bk, warps, stages = config if config is not None else _pick_gemm_tile(dev, m, n, k, epilogue)
     if reciprocal is None:
         reciprocal = _table(dev)["reciprocal_requant"]
     code = _EPILOGUES[epilogue]
@@ -278,7 +311,9 @@ def int8_gemm(
         hidden,
         EPILOGUE=code, RES_MODE=res_mode, GELU=gelu, HEAD_DIM=head_dim,
         COLUMN_OUT_SCALE=out_scale is not None and out_scale.numel() > 1 and code == 1,
-        COLUMN_RES_SCALE=column_res, RECIPROCAL=bool(reciprocal), EVEN_K=(k % bk == 0),
+        COLUMN_RES_SCALE=column_res, RECIPROCAL=bool(reciprocal),
+        ALIGNED_QKV=code == 2 and hidden % bn == 0 and (bn % head_dim == 0 or head_dim % bn == 0),
+        EVEN_K=(k % bk == 0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, INTERPRET=INTERPRET,
         num_warps=warps, num_stages=stages,
     )

@@ -9,7 +9,7 @@ Math (acc = a_q @ b_q; int32 and exact for int8, float32 for fp8):
 Blockwise FP8 (1x128 activation groups, 128x128 weight blocks):
     out[i, j] = sum_kb (scale_a[i, kb] * scale_b[kb, j // 128]) * dot(a[i, kb-block], b[kb-block, j]) + bias[j]
   How the per-step scales are applied is MMConfig.variant (BLOCKWISE_VARIANTS: two float32 tiles, a rescaled
-  single accumulator, one weight scale per tile); the shipped tables use variant 0.
+  single accumulator, one weight scale per tile); the shipped sm90 table uses variant 2, measured fastest.
 
 Design:
 - One tile kernel per family. Tiles are visited in grouped order (GROUP_M row-tiles share a column
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import triton
@@ -63,9 +63,19 @@ class MMConfig:
 
 _BIG = 1 << 62
 
-CONFIGS: Dict[str, List[Tuple[int, List[MMConfig]]]] = {
+# A bucket is (max_m, configs) or (max_m, max_n, configs): the first bucket with M <= max_m (and N <= max_n)
+# gives the candidates, of which the first runs unless autotuning is opted into.
+Bucket = Union[Tuple[int, List[MMConfig]], Tuple[int, int, List[MMConfig]]]
+
+CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": [
-        (16, [MMConfig(16, 64, 256, 4, 4), MMConfig(16, 128, 128, 4, 5), MMConfig(16, 32, 256, 4, 4)]),
+        # Decode rows from benchmarks/tune_scaled_mm_decode.py on the H100 (fp8 and int8 alike, CUDA graphs,
+        # weights rotated past L2): at M = 1 a 64-wide tile, at M = 16 a 32-wide one (4096x6144: 13.6 us vs
+        # 16.9; 14336x4096: 28.9 vs 31.6), and 128-wide for N beyond 8192 (4096x28672: 50.4 us vs 55.5).
+        (1, 8192, [MMConfig(16, 64, 256, 4, 4), MMConfig(16, 32, 256, 4, 4)]),
+        (1, [MMConfig(16, 128, 256, 4, 4), MMConfig(16, 64, 256, 4, 4)]),
+        (16, 8192, [MMConfig(16, 32, 256, 4, 4), MMConfig(16, 64, 256, 4, 4), MMConfig(16, 128, 128, 4, 5)]),
+        (16, [MMConfig(16, 128, 256, 4, 4), MMConfig(16, 64, 256, 4, 4)]),
         (64, [MMConfig(64, 64, 256, 4, 4), MMConfig(64, 128, 128, 4, 4), MMConfig(32, 64, 256, 4, 4)]),
         (256, [MMConfig(64, 128, 128, 4, 4), MMConfig(128, 128, 128, 8, 4), MMConfig(64, 256, 128, 8, 3)]),
         (_BIG, [MMConfig(128, 256, 128, 8, 3), MMConfig(128, 128, 128, 8, 4), MMConfig(256, 128, 128, 8, 3)]),
@@ -78,15 +88,16 @@ CONFIGS: Dict[str, List[Tuple[int, List[MMConfig]]]] = {
 }
 
 # Blockwise FP8: BLOCK_K divides the 128-wide scale group so each K step has one activation scale per
-# row (and one weight-block scale per column). Large-M entries from a tile sweep on the H100
-# (benchmarks/tune_scaled_mm.py): two float32 tiles (accumulator and the step's partial) live in
-# registers, so 64x128 / 128x64 tiles beat 128x128 here.
-BLOCKWISE_CONFIGS: Dict[str, List[Tuple[int, List[MMConfig]]]] = {
+# row (and one weight-block scale per column). Large-M entries from the tile x variant sweep on the H100
+# (benchmarks/tune_scaled_mm.py): variant 2 (one weight scale per tile, BLOCK_N <= 128) with 128x64 or
+# 64x128 tiles, 6-10% over variant 0 (M=1024 K=8192 N=10240: 672 vs 608 TFLOPS; 4096^3: 688 vs 644).
+BLOCKWISE_CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": [
-        (16, [MMConfig(16, 64, 128, 4, 4), MMConfig(16, 128, 128, 4, 4)]),
-        (64, [MMConfig(64, 64, 128, 4, 4), MMConfig(64, 128, 128, 4, 4)]),
-        (256, [MMConfig(64, 128, 128, 4, 4), MMConfig(128, 128, 128, 8, 3)]),
-        (_BIG, [MMConfig(64, 128, 128, 4, 3), MMConfig(128, 64, 128, 8, 3), MMConfig(128, 128, 128, 8, 4)]),
+        (16, [MMConfig(16, 64, 128, 4, 4, variant=2), MMConfig(16, 128, 128, 4, 4, variant=2)]),
+        (64, [MMConfig(64, 64, 128, 4, 4, variant=2), MMConfig(64, 128, 128, 4, 4, variant=2)]),
+        (256, [MMConfig(64, 128, 128, 4, 4, variant=2), MMConfig(128, 64, 128, 8, 4, variant=2)]),
+        (2048, [MMConfig(128, 64, 128, 8, 4, variant=2), MMConfig(64, 128, 128, 4, 3, variant=2)]),
+        (_BIG, [MMConfig(64, 128, 128, 4, 3, variant=2), MMConfig(128, 64, 128, 8, 4, variant=2)]),
     ],
     "default": [
         (16, [MMConfig(16, 64, 128, 4, 3)]),
@@ -96,7 +107,8 @@ BLOCKWISE_CONFIGS: Dict[str, List[Tuple[int, List[MMConfig]]]] = {
 
 # How the blockwise kernel applies the per-step scales s_t[m, n] = sa[m, t] * sb[t, n // 128]
 # (MMConfig.variant, a bit set: 1 = rescaled accumulator, 2 = one weight scale per tile, 4 = promote the
-# tensor-core sum every step; 0 is the original kernel and what every shipped table uses):
+# tensor-core sum every step; 0 is the original kernel, 2 what the sm90 table ships; 1 and 3 are refused on the
+# GPU, see _GPU_INACCURATE_VARIANTS):
 #   0 "two_tiles": partial = dot(a, b) into a fresh float32 tile, acc += (sa[:, None] * sb[None, :]) * partial.
 #   1 "rescaled": one float32 tile. acc holds acc_true / (ua[:, None] * ub[None, :]) with per-row and per-column
 #     running units ua, ub (the step's scales, or the previous units where a scale is zero); each step first
@@ -143,11 +155,12 @@ SPLIT_K_MAX_M = 256
 _INTERPRET_CONFIG = MMConfig(16, 32, 32, 4, 1, group_m=2)
 
 
-def _bucket(table, m: int) -> List[MMConfig]:
-    for upper, configs in table:
-        if m <= upper:
+def _bucket(table: List[Bucket], m: int, n: int = 0) -> List[MMConfig]:
+    for entry in table:
+        max_m, max_n, configs = entry if len(entry) == 3 else (entry[0], _BIG, entry[1])
+        if m <= max_m and n <= max_n:
             return configs
-    return table[-1][1]
+    return table[-1][-1]
 
 
 def choose_split_k(m: int, n: int, k: int, cfg: MMConfig, device: torch.device) -> int:
@@ -440,7 +453,7 @@ def _autotune_enabled() -> bool:
 def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple, run) -> MMConfig:
     if device.type != "cuda":
         return _INTERPRET_CONFIG
-    candidates = _bucket(table[arch_key(device.type, device.index)], m)
+    candidates = _bucket(table[arch_key(device.type, device.index)], m, n)
     if not _autotune_enabled() or len(candidates) == 1:
         return candidates[0]
     if key not in _tuned:
@@ -551,6 +564,12 @@ _VARIANT_BITS = {0: (0, False, False), 1: (1, False, False), 2: (0, True, False)
                  5: (1, False, True), 7: (1, True, True)}
 
 
+# Measured on the H100 (tests/kernels/test_scaled_mm_blockwise_variants.py, K=4096): worst 128-column block
+# mean relative error 1.07e-3 to 1.40e-3 for these, against < 1e-3 for 0, 2, 5 and 7; refused on the GPU
+# (the interpreter accumulates in float32 and runs them for the CPU tests of the rescaling algebra).
+_GPU_INACCURATE_VARIANTS = (1, 3)
+
+
 def blockwise_modes(cfg: MMConfig) -> Tuple[int, bool, bool]:
     """(SCALE_MODE, SB_PER_TILE, PROMOTE) that the blockwise kernel runs for `cfg` (see BLOCKWISE_VARIANTS):
     the one-weight-scale-per-tile bit only where BLOCK_N divides the 128-wide weight block, else dropped."""
@@ -611,6 +630,11 @@ def scaled_mm_blockwise(
     if config is None:
         key = ("blockwise", m, n, k, b.stride(0) == 1, bias is not None, out_dtype)
         config = _pick_config(BLOCKWISE_CONFIGS, m, n, k, a2d.device, key, launch)
+    if a2d.device.type == "cuda" and config.variant in _GPU_INACCURATE_VARIANTS:
+        raise ValueError(
+            f"config.variant: {config.variant} lets the tensor cores accumulate the whole K at their reduced "
+            f"internal precision and misses the 1e-3 error bound on the GPU (measured 1.1e-3 to 1.4e-3 on an "
+            f"H100); use 0, 2, 5 or 7")
     return launch(config)
 
 

@@ -58,7 +58,9 @@ except ImportError:  # pragma: no cover
 # per SM; 2048 elements (16 regions) need 83 at 8 warps or 154 at 4 (three programs per SM). The per-token
 # tile that holds a 14336-wide row (width 16384) spills (192 B per thread at 16 warps, 96 B at 32).
 SILU_QUANT_CONFIGS = {
-    "sm90": dict(elements=4096, min_programs=264, token_single_max=16384, token_split_rows=128, chunk=2048,
+    # elements 2048: the per-group winner of benchmarks/tune_silu_quant.py on the H100 at every measured
+    # shape (T=4096 H=14336: 116.3 us vs 118.5 us with 4096; T=16384: 444.8 vs 451.3 us)
+    "sm90": dict(elements=2048, min_programs=264, token_single_max=16384, token_split_rows=128, chunk=2048,
                  elements_per_warp=512, loop_block=2048, loop_rows=1),
     "default": dict(elements=4096, min_programs=128, token_single_max=8192, token_split_rows=64, chunk=1024,
                     elements_per_warp=512, loop_block=1024, loop_rows=1),

@@ -60,18 +60,19 @@ def chunk_codes(bits: int) -> int:
 # Launch configurations, keyed by architecture. Each entry: rows M up to `max_m` use this tile.
 # `programs_per_sm`: split-K target (decode). cublas_min_m: from this M on, dequantize once + cuBLAS.
 # `chunks`: chunks of 16 words per K-loop iteration; `kernel`: "mma" (tensor cores) or "gemv" (no tensor
-# cores, block_m <= 4); `convert`: "shift" or "inplace" (same w_hat). Candidates for all three are swept by
-# benchmarks/tune_weight_only.py; until measured on the GPU the shipped entries stay chunks=1, "mma", "shift"
-# (the kernel as it was when the table was tuned).
+# cores, block_m <= 4); `convert`: "shift" or "inplace" (same w_hat). The sm90 rows up to M = 64 are the
+# winners of benchmarks/tune_weight_only.py on the H100 (W4A16 g128, five Llama-3 shapes, CUDA graphs;
+# geometric-mean speedup over the previous table 1.37x at M=1, 1.40x at 4, 1.38x at 16, 1.42x at 32,
+# 1.34x at 64); "gemv" never won a shape there. The catch-all row (M 65..cublas_min_m) was not swept.
 _DISPATCH = {
     "sm90": {
         "tiles": [
-            dict(max_m=16, block_m=16, block_n=64, num_warps=4, num_stages=4, programs_per_sm=4,
-                 chunks=1, kernel="mma", convert="shift"),
-            dict(max_m=32, block_m=32, block_n=64, num_warps=4, num_stages=4, programs_per_sm=2,
-                 chunks=1, kernel="mma", convert="shift"),
-            dict(max_m=64, block_m=64, block_n=64, num_warps=4, num_stages=3, programs_per_sm=1,
-                 chunks=1, kernel="mma", convert="shift"),
+            dict(max_m=16, block_m=16, block_n=128, num_warps=4, num_stages=3, programs_per_sm=4,
+                 chunks=1, kernel="mma", convert="inplace"),
+            dict(max_m=32, block_m=32, block_n=128, num_warps=4, num_stages=3, programs_per_sm=2,
+                 chunks=1, kernel="mma", convert="inplace"),
+            dict(max_m=64, block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=1,
+                 chunks=2, kernel="mma", convert="inplace"),
             dict(max_m=1 << 62, block_m=64, block_n=128, num_warps=8, num_stages=3, programs_per_sm=1,
                  chunks=1, kernel="mma", convert="shift"),
         ],
