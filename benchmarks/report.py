@@ -80,9 +80,9 @@ def main() -> None:
     for path in sorted(glob.glob(os.path.join(args.results, "*.json"))):
         with open(path) as f:
             data = json.load(f)
-        if isinstance(data, dict) and "rows" in data:
+        if isinstance(data, dict) and "rows" in data and not os.path.basename(path).startswith("tune_"):
             records.append(data)
-        else:  # raw measurements (SASS census, error bounds, demo rows): listed, not tabulated
+        else:  # tuning sweeps and raw measurements (SASS census, error bounds, demo rows): listed, not tabulated
             others.append(os.path.basename(path))
     parts = [
         "# quantfuse benchmarks",
