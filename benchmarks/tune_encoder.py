@@ -12,6 +12,10 @@ Three parts, one run (stops early at TUNE_BUDGET_S seconds, default 480, and sti
 3. attention: the fused int8 attention at (batch, seq) in {(128, 128), (32, 384)} over block sizes,
    warps and stages; peer: F.scaled_dot_product_attention in fp16 on [B, heads, S, 64].
 
+4. layernorm: layernorm_quant at M in {4096, 16384}, N = 768, as mode 1 calls it (fp16 + int8 out, per-column
+   scales) and int8-only, over rows per program x warps x reciprocal requantization; peer: F.layer_norm in fp16; GB/s counts y read
+   once and the outputs written once.
+
 Writes tune_encoder.json (rows with part, shape, config, us, and the peers' us). `--dry-run` lists the
 candidates and runs one of each on CPU under the interpreter with tiny shapes.
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_encoder.py
@@ -233,6 +237,54 @@ def tune_attention(rows, deadline, dry):
                 print(f"best attention {batch}x{seq}: {b['cfg']} {b['us']} us (sdpa fp16 {b['sdpa_fp16_us']} us)")
 
 
+LN_M = [4096, 16384]
+LN_CONFIGS = [(r, w, recip) for r in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8) for recip in (False, True)
+              if r * 1024 // (32 * w) <= 64]
+
+
+def tune_layernorm(rows_out, deadline, dry):
+    import triton
+
+    from quantfuse.kernels import encoder as ke
+
+    device = "cpu" if dry else "cuda"
+    for m in LN_M:
+        if dry:
+            m = 5
+        y = torch.randn(m, HIDDEN, device=device).half()
+        gamma = torch.rand(HIDDEN, device=device) + 0.5
+        beta = torch.randn(HIDDEN, device=device) * 0.1
+        col = (torch.rand(HIDDEN, device=device) * 0.02 + 0.01).float()
+        peer = None if dry else 1e3 * triton.testing.do_bench(
+            lambda: F.layer_norm(y, (HIDDEN,), gamma.half(), beta.half(), 1e-12), warmup=10, rep=40)
+        for write_fp16 in (True, False):
+            out_bytes = m * HIDDEN * (3 if write_fp16 else 1)
+            for cfg in LN_CONFIGS[:1] if dry else LN_CONFIGS:
+                if time.perf_counter() > deadline:
+                    print("budget reached in the layernorm sweep", flush=True)
+                    return
+                call = lambda: ke.layernorm_quant(y, gamma, beta, 1e-12, col, write_fp16, config=cfg)  # noqa: E731
+                if dry:
+                    call()
+                    print("dry layernorm ok", flush=True)
+                    continue
+                try:
+                    us = 1e3 * triton.testing.do_bench(call, warmup=10, rep=40)
+                except Exception as err:  # noqa: BLE001
+                    print(f"layernorm {m} {cfg} failed: {type(err).__name__}", flush=True)
+                    continue
+                rows_out.append(dict(part="layernorm", M=m, write_fp16=write_fp16, cfg=str(cfg), us=round(us, 2),
+                                     gbs=round((m * HIDDEN * 2 + out_bytes) / us / 1e3, 1),
+                                     layer_norm_fp16_us=round(peer, 2)))
+            if not dry:
+                cands = [r for r in rows_out if r.get("part") == "layernorm" and r["M"] == m
+                         and r["write_fp16"] == write_fp16]
+                if cands:
+                    b = min(cands, key=lambda r: r["us"])
+                    print(f"best layernorm M={m} fp16={write_fp16}: {b['cfg']} {b['us']} us {b['gbs']} GB/s "
+                          f"(F.layer_norm fp16 {b['layer_norm_fp16_us']} us)", flush=True)
+
+
 def compile_report(tiles=GEMM_TILES):
     """Compile the encoder GEMM for sm90 without a GPU (Triton's bundled ptxas) for each tile x epilogue and
     print registers, local-memory spill stack and shared memory from the cubin (Triton internals)."""
@@ -285,7 +337,7 @@ def compile_report(tiles=GEMM_TILES):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="list candidates; run one of each on CPU")
-    parser.add_argument("--parts", default="profile,gemm,attention")
+    parser.add_argument("--parts", default="profile,gemm,attention,layernorm")
     parser.add_argument("--compile-report", action="store_true",
                         help="offline sm90 compile of every GEMM tile x epilogue: registers, spills, shared memory")
     args = parser.parse_args(argv)
@@ -306,6 +358,8 @@ def main(argv=None):
         tune_gemms(rows, t0 + BUDGET_S * 0.8, args.dry_run)
     if "attention" in parts:
         tune_attention(rows, deadline, args.dry_run)
+    if "layernorm" in parts:
+        tune_layernorm(rows, deadline, args.dry_run)
     print(f"done in {time.perf_counter() - t0:.0f} s")
     if not args.dry_run:
         from common import write_result

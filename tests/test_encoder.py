@@ -234,6 +234,22 @@ def test_layernorm_quant_per_column_scale(m, write_fp16):
         ke.layernorm_quant(y, gamma, beta, 1e-12, col[:10], write_fp16)
 
 
+@pytest.mark.parametrize("write_fp16", [True, False])
+@pytest.mark.parametrize("column", [True, False])
+def test_layernorm_quant_reciprocal_within_one_code(write_fp16, column):
+    m, n = 37, 96
+    y = (torch.randn(m, n) * 4 + torch.randn(n)).half()
+    gamma, beta = (torch.rand(n) + 0.5).float(), (torch.randn(n) * 0.1).float()
+    scale = (enc._f32(4.0 / 127) * 2.0 ** torch.empty(n).uniform_(-3, 3)).float() if column else 4.0 / 127
+    r16, r8 = enc.reference_layernorm_quant(y, gamma, beta, 1e-12, scale, write_fp16)
+    with ops.backend("triton"):
+        o16, o8 = ke.layernorm_quant(y, gamma, beta, 1e-12, scale, write_fp16, config=(2, 1, True))
+    u.assert_int8_close(o8, r8)
+    assert (r8 != 0).float().mean() > 0.5
+    if write_fp16:
+        torch.testing.assert_close(o16.float(), r16.float(), rtol=1e-3, atol=2e-3)
+
+
 def test_layernorm_fp16_only():
     (o16, o8), (r16, r8) = u.layernorm_case(31, 64, DEV, True, with_int8=False)
     assert o8 is None and r8 is None

@@ -24,10 +24,11 @@ Symbols: activations are quantized per tensor, `x ~ s_x * x_q`; weights per outp
   fp16 (mode 1) and/or int8 `sat(rne(o16 / s_out))` where o16 is o rounded to fp16 when the fp16 copy is
   written (so the int8 copy is exactly the quantization of the fp16 activation), else o.
 
-Quantization divisions are true divisions (`div_rn`) in the LayerNorm (memory-bound: free there); the
-probabilities inside the attention loop and, by default on sm90 (`reciprocal_requant`), the GEMM
-requantization epilogues multiply by the float32 reciprocal of the scale instead (compute-bound epilogues;
-a difference from the reference's true division only at rounding ties, one code at most).
+Quantization divisions: the probabilities inside the attention loop and, by default on sm90
+(`reciprocal_requant`, `layernorm_reciprocal`), the GEMM requantization epilogues and the LayerNorm multiply
+by the float32 reciprocal of the scale instead of dividing (a difference from the reference's true division
+only at rounding ties, one code at most); a per-element true division (`div_rn`) measured twice the
+LayerNorm's time on the H100, so even that memory-bound kernel was bound by it.
 """
 
 from __future__ import annotations
@@ -64,7 +65,13 @@ ENCODER_CONFIGS = {
         ],
         # the sweep's best at 128x128 (70.7 us vs 74.6 for 64x64x2 stages) and within 1% of it at 32x384
         "attention": {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3},
+        # LayerNorm: rows per program = budget // next_pow2(N), warps = rows * next_pow2(N) // elements per
+        # warp; the reciprocal requantization halves its time (benchmarks/tune_encoder.py, N = 768, mode 1's
+        # fp16 + int8 outputs at 16384 rows: 4 rows, 2 warps, reciprocal 30.3 us vs 55.7 us for 4 warps and
+        # true division; the per-element division, not memory, bounded it)
         "layernorm_rows_budget": 4096,
+        "layernorm_elements_per_warp": 2048,
+        "layernorm_reciprocal": True,
         # requantizing epilogues multiply by 1 / s_out (one division per column) instead of dividing every
         # element; results differ from a true division only at rounding ties (the tests allow one code
         # there). Offline sm90 compile: the QKV epilogue kernel shrinks from 2960 to 2168 instructions at
@@ -82,6 +89,8 @@ ENCODER_CONFIGS = {
         ],
         "attention": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
         "layernorm_rows_budget": 2048,
+        "layernorm_elements_per_warp": 1024,
+        "layernorm_reciprocal": False,
         "reciprocal_requant": False,
     },
 }
@@ -436,7 +445,7 @@ def _layernorm_quant_kernel(
     y_ptr, gamma_ptr, beta_ptr, out16_ptr, out8_ptr,
     M, N, stride_y, out_scale, out_scale_vec_ptr, eps,
     WRITE_FP16: tl.constexpr, WRITE_INT8: tl.constexpr, COLUMN_SCALE: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    RECIPROCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -459,16 +468,17 @@ def _layernorm_quant_kernel(
     if WRITE_INT8:
         if COLUMN_SCALE:
             col_scale = tl.load(out_scale_vec_ptr + cols, mask=col_ok, other=1.0)
-            q = to_int8_sat(tl.math.div_rn(o, col_scale[None, :] + tl.zeros_like(o)))
+            q = to_int8_sat(_requant(o, col_scale[None, :], RECIPROCAL))
         else:
-            q = to_int8_sat(tl.math.div_rn(o, out_scale + tl.zeros_like(o)))
+            q = to_int8_sat(_requant(o, out_scale, RECIPROCAL))
         tl.store(out8_ptr + offs, q, mask=mask)
 
 
 def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
-                    out_scale: float | torch.Tensor | None, write_fp16: bool):
+                    out_scale: float | torch.Tensor | None, write_fp16: bool, config: tuple | None = None):
     """Row LayerNorm of fp16 y [M, N]; returns (fp16 or None, int8 or None). out_scale: a float (per
-    tensor), float32 [N] (per column: a smoothing factor folded into the consumer's weight), or None."""
+    tensor), float32 [N] (per column: a smoothing factor folded into the consumer's weight), or None.
+    config (rows per program, num_warps, reciprocal) overrides the table (for benchmarks/tune_encoder.py)."""
     m, n = y.shape
     column = isinstance(out_scale, torch.Tensor)
     if column and (out_scale.dtype != torch.float32 or out_scale.numel() != n or not out_scale.is_contiguous()):
@@ -478,12 +488,16 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     rows = max(1, min(16, _table(y.device)["layernorm_rows_budget"] // block_n))
     out16 = torch.empty((m, n), dtype=torch.float16, device=y.device) if write_fp16 else None
     out8 = torch.empty((m, n), dtype=torch.int8, device=y.device) if out_scale is not None else None
-    warps = 4 if rows * block_n <= 4096 else 8
+    table = _table(y.device)
+    warps = max(1, min(8, rows * block_n // table["layernorm_elements_per_warp"]))
+    reciprocal = table["layernorm_reciprocal"]
+    if config is not None:
+        rows, warps, reciprocal = config
     _layernorm_quant_kernel[(triton.cdiv(m, rows),)](
         y, gamma, beta, out16 if out16 is not None else y, out8 if out8 is not None else y,
         m, n, y.stride(0), 1.0 if column or out_scale is None else float(out_scale),
         out_scale if column else gamma, float(eps),
         WRITE_FP16=write_fp16, WRITE_INT8=out_scale is not None, COLUMN_SCALE=column,
-        ROWS=rows, BLOCK_N=block_n, INTERPRET=INTERPRET, num_warps=warps,
+        RECIPROCAL=bool(reciprocal), ROWS=rows, BLOCK_N=block_n, INTERPRET=INTERPRET, num_warps=warps,
     )
     return out16, out8
