@@ -150,7 +150,7 @@ def census(ms):
     from quantfuse.kernels import weight_only as kw
 
     ptr = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*fp32", "bias_ptr": "*bf16",
-           "out_ptr": "*bf16", "part_ptr": "*fp32"}
+           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     div16 = set(ptr) | {"N", "K", "num_groups", "group_size", "stride_xm", "stride_wn", "stride_om"}
     seen = set()
     for m in ms:
@@ -163,6 +163,8 @@ def census(ms):
             consts = dict(BITS=4, GROUP_FIELDS=8, HAS_ZERO=False, HAS_BIAS=False, SPLIT=True, BLOCK_M=c["block_m"],
                           BLOCK_N=c["block_n"], CHUNKS=c["chunks"], CONVERT=kw._CONVERTS[c["convert"]],
                           INTERPRET=False)
+            if fn is kw._wo_mm_kernel:
+                consts["FUSED_REDUCE"] = True
             sig = {a: ("constexpr" if a in consts else ptr.get(a, "i32")) for a in fn.arg_names}
             attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
             t0 = time.time()

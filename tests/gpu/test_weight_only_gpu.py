@@ -396,3 +396,20 @@ def test_torch_compile_fullgraph():
     # a second call with new data reuses the compiled graph
     x1b = torch.randn(1, k, device=DEV).to(BF16)
     assert torch.equal(compiled(x1b, x2, x3)[0], qf.weight_only_mm(x1b, qw4, bias))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 28672, 8192), (16, 4096, 6144), (7, 14336, 4096)])
+def test_fused_split_k_reduction_on_gpu(monkeypatch, m, k, n):
+    # Thousands of programs race to finish each tile: the last one's sum must equal the reduce kernel's
+    # (same split order, same bits) on every launch, and the counters must come back to zero.
+    qw = qf.quantize_weight(_weight(n, k), bits=4, group_size=128)
+    x = torch.randn(m, k, device=DEV).to(BF16)
+    bias = torch.randn(n, device=DEV).to(BF16)
+    runs = [qf.weight_only_mm(x, qw, bias) for _ in range(5)]
+    torch.cuda.synchronize()
+    counters = kw._tile_counters(torch.device(DEV), 1)
+    assert int(counters.abs().sum()) == 0
+    monkeypatch.setattr(kw, "_tile_counters", lambda device, tiles: None)
+    separate = qf.weight_only_mm(x, qw, bias)
+    for got in runs:
+        assert torch.equal(got, separate)

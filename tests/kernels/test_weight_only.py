@@ -194,6 +194,26 @@ def test_split_k_and_tiles_agree(splits):
     assert_gemm_close(y, x, qw.dequantize(torch.bfloat16), bias)
 
 
+@pytest.mark.parametrize("m", [1, 40])  # 40: three row blocks, so tiles differ in m as well as n
+def test_fused_split_k_reduction_equals_reduce_kernel(monkeypatch, m):
+    # The tile's last program sums the partials in split order, as the separate reduce kernel does: the
+    # same bits. The counters it used are back at zero afterwards (the next launch reuses them).
+    k, n = 7 * 128, 45
+    qw = ops.quantize_weight(torch.randn(n, k), bits=4, group_size=128)
+    x = torch.randn(m, k).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    tile = dict(block_m=16, block_n=16, num_warps=4, num_stages=2, programs_per_sm=1)
+    fused = kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, bias, 4, 128, n, tile=tile, splits=3)
+    counters = kw._tile_counters(x.device, 1)
+    assert counters is not None and int(counters.abs().sum()) == 0
+    assert kw._tile_counters(x.device, kw._COUNTER_SLOTS + 1) is None  # too many tiles: the reduce kernel
+    again = kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, bias, 4, 128, n, tile=tile, splits=3)
+    monkeypatch.setattr(kw, "_tile_counters", lambda device, tiles: None)
+    separate = kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, bias, 4, 128, n, tile=tile, splits=3)
+    assert torch.equal(fused, separate) and torch.equal(again, separate)
+    assert_gemm_close(fused, x, qw.dequantize(torch.bfloat16), bias)
+
+
 def test_padded_rows_3d_input_and_nan_isolation(triton_backend):
     k, n = 136, 29
     qw = ops.quantize_weight(torch.randn(n, k), bits=4, group_size=32)

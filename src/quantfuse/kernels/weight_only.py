@@ -19,7 +19,8 @@ Kernels:
 - `_wo_mm_kernel` computes the transposed tile out^T[BLOCK_N, BLOCK_M] = W_hat x^T so the dequantized
   operand is the left (register) operand of the MMA, where Hopper takes it from registers. For decode
   (M <= 16) the K range is split over programs (split-K) so that every SM streams its share of the
-  weight once; partial sums (float32) are reduced by `_splitk_reduce_kernel` with bias and the one
+  weight once; partial sums (float32) are reduced by the tile's last program (or, for the GEMV kernel and
+  inside a first-call graph capture, by `_splitk_reduce_kernel`) with bias and the one
   rounding. Scales (and zero points) are loaded once per group per chunk. CHUNKS (tile key `chunks`)
   chunks are loaded per K-loop iteration ([BLOCK_N, CHUNKS, 16] words) and each field is one
   [BLOCK_N, 16 * CHUNKS] x [16 * CHUNKS, BLOCK_M] product: fewer, larger loads and MMAs per weight.
@@ -196,16 +197,19 @@ def _load_words(w_tile, cc, ci, n3_mask, c_end, CHUNKS: tl.constexpr, CONVERT: t
 
 @triton.jit
 def _wo_mm_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
-    M, N, K, num_groups, group_size, chunks_per_split, field_mask,
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, K, num_groups, group_size, chunks_per_split, field_mask, splits,
     stride_xm, stride_wn, stride_om,
     BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
-    CONVERT: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNKS: tl.constexpr, CONVERT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * w_hat[n, k] (+ bias[n]), fp32 accumulation, computed as out^T tiles.
 
-    Grid (n blocks, K splits, m blocks). SPLIT: write float32 partials [splits, M, N] instead.
+    Grid (n blocks, K splits, m blocks). SPLIT: write float32 partials [splits, M, N]; with FUSED_REDUCE
+    the program of each output tile that finishes last (an acq_rel counter per tile in count_ptr, reset by
+    that program for the next launch) sums the tile's partials in split order (+ bias) and stores it,
+    instead of a second kernel (whose launch cost 5-6 us at decode on the H100, Nsight Compute).
     Each K-loop iteration loads CHUNKS consecutive chunks of words, a [BLOCK_N, CHUNKS, 16] tile (16 *
     CHUNKS contiguous words, 64 * CHUNKS bytes, per row), and for each field makes one tensor-core
     product [BLOCK_N, 16 * CHUNKS] x [16 * CHUNKS, BLOCK_M]: dot row 16 * c + j is k = (chunk + c) *
@@ -254,8 +258,24 @@ def _wo_mm_kernel(
     out_offs = rows64 * stride_om + offs_n[:, None]
     out_mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT:
-        part = part_ptr + pid_s.to(tl.int64) * M * N + rows64 * N + offs_n[:, None]
-        tl.store(part, acc, mask=out_mask)
+        part_tile = rows64 * N + offs_n[:, None]
+        tl.store(part_ptr + pid_s.to(tl.int64) * M * N + part_tile, acc, mask=out_mask)
+        if FUSED_REDUCE:
+            tile_id = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+            # barrier, then release: every thread's share of this partial is visible before the count
+            # moves (fences are cumulative); acquire: the last program sees every other partial (read
+            # past L1, which is not coherent across SMs)
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+            if done == splits - 1:
+                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for sidx in range(0, splits):
+                    total += tl.load(part_ptr + sidx * M * N + part_tile, mask=out_mask, other=0.0,
+                                     cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+                tl.store(out_ptr + out_offs, cast_to(total, out_ptr.dtype.element_ty, INTERPRET), mask=out_mask)
+                tl.atomic_xchg(count_ptr + tile_id, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -287,8 +307,8 @@ def _gemv_store(acc, row: tl.constexpr, m0, M, N, offs_n, n_mask, pid_s, bias_pt
 
 @triton.jit
 def _wo_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
-    M, N, K, num_groups, group_size, chunks_per_split, field_mask,
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, K, num_groups, group_size, chunks_per_split, field_mask, splits,
     stride_xm, stride_wn, stride_om,
     BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
@@ -449,6 +469,40 @@ def check_tile(tile: dict) -> None:
         raise ValueError(f"tile block_m: the gemv kernel takes 1..4 rows, got {bm!r}")
 
 
+# Per-tile arrival counters of the fused split-K reduction: one zeroed int32 slot of _COUNTER_SLOTS per
+# stream, from a pool allocated per device at the first eager call (never while a CUDA graph is being
+# captured: the graph's memory pool would own it). Every launch leaves its counters at zero again (the last
+# program of a tile resets its counter) and launches on one stream run one after another, so a slot is
+# reused without a memset; streams (the graph-capture stream too) get different slots, so launches that
+# overlap on different streams never share counters. Without a slot (more than _COUNTER_STREAMS streams,
+# more tiles than slots, or a capture before any eager call) the second kernel reduces.
+_COUNTER_SLOTS = 1 << 14
+_COUNTER_STREAMS = 8
+_counter_pools: dict = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
+    if tiles > _COUNTER_SLOTS:
+        return None
+    cuda = device.type == "cuda"
+    dev_key = (device.type, device.index)
+    pool = _counter_pools.get(dev_key)
+    if pool is None:
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros((_COUNTER_STREAMS, _COUNTER_SLOTS), dtype=torch.int32, device=device)
+        if cuda:
+            torch.cuda.current_stream(device).synchronize()  # zeroed before any stream uses a slot
+        pool = _counter_pools[dev_key] = {"buf": buf, "slots": {}}
+    stream = torch.cuda.current_stream(device).cuda_stream if cuda else 0
+    slot = pool["slots"].get(stream)
+    if slot is None:
+        if len(pool["slots"]) >= _COUNTER_STREAMS:
+            return None
+        slot = pool["slots"][stream] = len(pool["slots"])
+    return pool["buf"][slot]
+
+
 def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int,
              tile: Optional[dict] = None, splits: Optional[int] = None) -> torch.Tensor:
     """out [M, N] = x2d @ w_hat.T (+ bias) with the fused dequantizing kernel.
@@ -478,16 +532,19 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     split = splits > 1
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out
     has_bias = bias is not None
+    counts = _tile_counters(x2d.device, grid_n * grid_m) if split and kernel is _wo_mm_kernel else None
+    fused = counts is not None
+    extra = dict(FUSED_REDUCE=fused) if kernel is _wo_mm_kernel else {}
     kernel[(grid_n, splits, grid_m)](
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales,
-        out, part, m, n, k, scales.shape[0], _effective_group(group_size, k), chunks_per_split,
-        (1 << bits) - 1, x2d.stride(0), qweight.stride(0), out.stride(0),
+        out, part, counts if fused else scales, m, n, k, scales.shape[0], _effective_group(group_size, k),
+        chunks_per_split, (1 << bits) - 1, splits, x2d.stride(0), qweight.stride(0), out.stride(0),
         BITS=bits, GROUP_FIELDS=_group_fields(group_size, k, bits), HAS_ZERO=zeros is not None,
         HAS_BIAS=has_bias, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKS=chunks,
         CONVERT=_CONVERTS[tile.get("convert", "shift")], INTERPRET=INTERPRET,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **extra,
     )
-    if split:
+    if split and not fused:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
             part, bias if has_bias else part, out, m, n, splits, out.stride(0),
