@@ -405,6 +405,7 @@ def test_fused_split_k_reduction_on_gpu(monkeypatch, m, k, n):
     qw = qf.quantize_weight(_weight(n, k), bits=4, group_size=128)
     x = torch.randn(m, k, device=DEV).to(BF16)
     bias = torch.randn(n, device=DEV).to(BF16)
+    monkeypatch.setitem(kw._table(torch.device(DEV)), "fused_reduce_max_m", 1 << 62)  # the fused path at any M
     runs = [qf.weight_only_mm(x, qw, bias) for _ in range(5)]
     torch.cuda.synchronize()
     counters = kw._tile_counters(torch.device(DEV), 1)

@@ -78,6 +78,10 @@ _DISPATCH = {
                  chunks=1, kernel="mma", convert="shift"),
         ],
         "cublas_min_m": 256,
+        # the last program of a tile reduces the split-K partials up to this M (H100, CUDA graphs: Llama-3-8B
+        # layer at batch 1, int4 linears 110 us vs 125 with the reduce kernel; at M = 16 that program's
+        # serial read of splits x 16 rows made it slower, 137 us vs 122), the reduce kernel above it
+        "fused_reduce_max_m": 1,
     },
     "default": {
         "tiles": [
@@ -87,6 +91,7 @@ _DISPATCH = {
                  chunks=1, kernel="mma", convert="shift"),
         ],
         "cublas_min_m": 1 << 62,
+        "fused_reduce_max_m": 1 << 62,
     },
 }
 
@@ -532,7 +537,9 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     split = splits > 1
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out
     has_bias = bias is not None
-    counts = _tile_counters(x2d.device, grid_n * grid_m) if split and kernel is _wo_mm_kernel else None
+    counts = None
+    if split and kernel is _wo_mm_kernel and m <= _table(x2d.device)["fused_reduce_max_m"]:
+        counts = _tile_counters(x2d.device, grid_n * grid_m)
     fused = counts is not None
     extra = dict(FUSED_REDUCE=fused) if kernel is _wo_mm_kernel else {}
     kernel[(grid_n, splits, grid_m)](
