@@ -98,6 +98,7 @@ def main() -> None:
         png = plot(record, args.plots)
         if png:
             parts.append(f"![{record['name']}]({os.path.relpath(png, os.path.dirname(os.path.abspath(args.out)))})\n")
+    others += sorted(os.path.basename(p) for p in glob.glob(os.path.join(args.results, "*.txt")))  # profiler reports
     if others:
         parts += ["## Other result files", ""] + [f"- `benchmarks/results/{name}`" for name in others] + [""]
     with open(args.out, "w") as f:
