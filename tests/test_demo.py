@@ -4,6 +4,7 @@ bundled sentence: the accuracy each scheme must keep, the CLI's records and erro
 import json
 
 import pytest
+import torch
 
 from quantfuse.cli import main
 from quantfuse.data import load_sentences
@@ -71,6 +72,20 @@ def test_demo_json_records(demo_rows):
     for r in records:
         assert KEYS <= set(r)
         assert r["latency_ms"] > 0 and r["speedup"] > 0
+
+
+def test_graph_columns_on_cuda_rows_only():
+    from quantfuse.demo import format_table, graph_latency_ms
+
+    row = dict(scheme="int8_dynamic", weight_mb=1.0, mean_cosine=0.999, min_cosine=0.99, latency_ms=2.0, speedup=1.5)
+    cpu = format_table([row], "cpu", 3)
+    assert "graph" not in cpu.splitlines()[1]
+    cuda = format_table([dict(row, graph_latency_ms=0.25, graph_speedup=1.8),
+                         dict(row, scheme="fp8_block", graph_latency_ms=None, graph_speedup=None)], "cuda", 3)
+    lines = cuda.splitlines()
+    assert "graph ms" in lines[1] and "0.250" in lines[3] and "1.80x" in lines[3] and "n/a" in lines[4]
+    batch = {"input_ids": torch.ones(1, 4, dtype=torch.long), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+    assert graph_latency_ms(lambda **kw: None, batch) is None  # no graphs on CPU
 
 
 def test_cli_demo_json(tmp_path, capsys):
