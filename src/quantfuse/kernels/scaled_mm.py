@@ -155,7 +155,7 @@ SPLIT_K_MAX_M = 256
 _INTERPRET_CONFIG = MMConfig(16, 32, 32, 4, 1, group_m=2)
 
 
-def _bucket(table: List[Bucket], m: int, n: int = 0) -> List[MMConfig]:
+def _bucket(table: List[Bucket], m: int, n: int) -> List[MMConfig]:
     for entry in table:
         max_m, max_n, configs = entry if len(entry) == 3 else (entry[0], _BIG, entry[1])
         if m <= max_m and n <= max_n:

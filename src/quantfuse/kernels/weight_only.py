@@ -19,8 +19,9 @@ Kernels:
 - `_wo_mm_kernel` computes the transposed tile out^T[BLOCK_N, BLOCK_M] = W_hat x^T so the dequantized
   operand is the left (register) operand of the MMA, where Hopper takes it from registers. For decode
   (M <= 16) the K range is split over programs (split-K) so that every SM streams its share of the
-  weight once; partial sums (float32) are reduced by the tile's last program (or, for the GEMV kernel and
-  inside a first-call graph capture, by `_splitk_reduce_kernel`) with bias and the one
+  weight once; partial sums (float32) are reduced by the tile's last program up to the table's
+  `fused_reduce_max_m` (else, for the GEMV kernel, or without a counter slot: `_splitk_reduce_kernel`),
+  with bias and the one
   rounding. Scales (and zero points) are loaded once per group per chunk. CHUNKS (tile key `chunks`)
   chunks are loaded per K-loop iteration ([BLOCK_N, CHUNKS, 16] words) and each field is one
   [BLOCK_N, 16 * CHUNKS] x [16 * CHUNKS, BLOCK_M] product: fewer, larger loads and MMAs per weight.
