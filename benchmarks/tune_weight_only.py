@@ -44,7 +44,7 @@ from concurrent.futures import ProcessPoolExecutor, wait
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SHAPES = [(4096, 6144), (4096, 14336), (14336, 4096), (8192, 10240), (28672, 8192)]
-MS = [1, 4, 16, 32, 64]
+MS = [int(v) for v in os.environ.get("TUNE_MS", "1,4,16,32,64").split(",")]
 GROUP = 128
 BLOCK_NS = (16, 32, 64, 128)
 GEMV_BLOCK_NS = (16, 32, 64)
@@ -72,12 +72,14 @@ def default_ppsm(m: int) -> int:
 
 def warps_for(kernel: str, block_n: int):
     if kernel == "mma":
-        return {16: (1, 2, 4), 32: (1, 2, 4), 64: (2, 4, 8), 128: (4, 8)}[block_n]
+        return {16: (1, 2, 4), 32: (1, 2, 4), 64: (2, 4, 8), 128: (4, 8), 256: (4, 8)}[block_n]
     return (1, 2, 4) if block_n == 16 else (2, 4, 8)
 
 
-def cand(kernel, m, block_n, chunks, num_warps, num_stages, ppsm, convert="inplace"):
-    return dict(kernel=kernel, block_m=mma_block_m(m) if kernel == "mma" else m, block_n=block_n, chunks=chunks,
+def cand(kernel, m, block_n, chunks, num_warps, num_stages, ppsm, convert="inplace", block_m=None):
+    if block_m is None:
+        block_m = mma_block_m(m) if kernel == "mma" else m
+    return dict(kernel=kernel, block_m=block_m, block_n=block_n, chunks=chunks,
                 convert=convert, num_warps=num_warps, num_stages=num_stages, programs_per_sm=ppsm)
 
 
@@ -88,7 +90,15 @@ def key(c: dict) -> str:
 
 def stage1(m: int):
     out = []
+    if m >= 128:
+        # prefill-like M: one block_m that covers M dequantizes each weight tile once; wider tiles need 8 warps
+        for bm, bn, ch in itertools.product((64, 128), (64, 128, 256), (1, 2)):
+            w = 8 if bm * bn >= 128 * 128 else 4
+            out.append(cand("mma", m, bn, ch, w, 3, 1, block_m=bm))
+        return out
     for bn, ch in itertools.product(BLOCK_NS, CHUNKS):
+        if m >= 64 and bn < 64:
+            continue  # the M = 64 sweep of the last table: block_n 16 / 32 never came close
         w = {16: 1, 32: 2, 64: 4, 128: 4}[bn]
         out.append(cand("mma", m, bn, ch, w, 3, default_ppsm(m)))
     if m <= 4:

@@ -1,0 +1,120 @@
+"""Sweep the large-M (prefill) tiles of the rowwise scaled-mm kernels on the GPU, per (M, K, N): at M = 1024
+the shipped 128x256 tile leaves the last wave part-empty on some Llama shapes (1024x4096x6144: 8 x 24 = 192
+tiles on 132 SMs, 1.45 waves), so the best tile depends on N. A dev tool feeding the M > 256 buckets of
+CONFIGS["sm90"] in quantfuse/kernels/scaled_mm.py (buckets may be keyed by N).
+
+Per (dtype, M, K, N): the peer (fp8: torch._scaled_mm with rowwise scales and bias; int8: torch._int_mm + the
+epilogue in torch), bf16 F.linear, the shipped config and the candidates in TILES, per-token x per-channel
+scales + bias, bf16 out, CUDA graphs, inputs rotated past L2 (common.time_ms). Stops at TUNE_BUDGET_S
+(default 200 s) and writes tune_scaled_mm_prefill.json. `--dry-run` lists the candidates.
+Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_scaled_mm_prefill.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+BUDGET_S = float(os.environ.get("TUNE_BUDGET_S", "200"))
+KN = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192)]
+MS = tuple(int(v) for v in os.environ.get("TUNE_MS", "1024,4096").split(","))
+DTYPES = ("fp8", "int8")
+# (block_m, block_n, block_k, warps, stages, group_m)
+TILES = [(128, 256, 128, 8, 3, 8), (128, 128, 128, 8, 4, 8), (128, 128, 128, 4, 3, 8), (256, 128, 128, 8, 3, 8),
+         (128, 256, 64, 8, 4, 8), (64, 256, 128, 4, 3, 8), (128, 128, 256, 8, 3, 8), (128, 256, 128, 8, 3, 16)]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    shapes = [(m, k, n) for m in MS for k, n in KN]
+    print(f"{len(shapes) * len(DTYPES) * len(TILES)} candidates ({len(TILES)} tiles x {len(shapes)} shapes x "
+          f"{len(DTYPES)} dtypes), budget {BUDGET_S:.0f} s")
+    if args.dry_run:
+        for tile in TILES:
+            print(tile)
+        return
+
+    from common import rotation_count, time_ms, write_result
+
+    from quantfuse.kernels import scaled_mm as kmm
+
+    t0 = time.perf_counter()
+    rows = []
+    for m, k, n in shapes:
+        for dtype in DTYPES:
+            if time.perf_counter() - t0 > BUDGET_S:
+                break
+            qdtype = torch.float8_e4m3fn if dtype == "fp8" else torch.int8
+            sets, lin_sets = [], []
+            for _ in range(rotation_count(k * n + m * k)):
+                if dtype == "fp8":
+                    a = (torch.randn(m, k, device="cuda") * 60).to(qdtype)
+                    w = (torch.randn(n, k, device="cuda") * 60).to(qdtype)
+                else:
+                    a = torch.randint(-128, 128, (m, k), dtype=qdtype, device="cuda")
+                    w = torch.randint(-128, 128, (n, k), dtype=qdtype, device="cuda")
+                sa = torch.rand(m, 1, device="cuda") * 1e-3 + 1e-4
+                sb = torch.rand(n, device="cuda") * 1e-3 + 1e-4
+                bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+                sets.append((a, w.t(), sa, sb, bias))
+            if dtype == "fp8":
+                def peer(a, b, sa, sb, bias):
+                    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb.view(1, -1), bias=bias,
+                                            out_dtype=torch.bfloat16)
+            else:
+                def peer(a, b, sa, sb, bias):
+                    return (torch._int_mm(a, b).float().mul_(sa).mul_(sb).add_(bias)).to(torch.bfloat16)
+            peer_ms = time_ms(peer, sets, graph=True, warmup=10, rep=40)
+            bf16_ms = float("nan")
+            if dtype == "fp8":  # once per shape
+                for _ in range(rotation_count(2 * (k * n + m * k))):
+                    lin_sets.append((torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                                     torch.randn(n, k, device="cuda", dtype=torch.bfloat16),
+                                     torch.randn(n, device="cuda", dtype=torch.bfloat16)))
+                bf16_ms = time_ms(torch.nn.functional.linear, lin_sets, graph=True, warmup=10, rep=40)
+                lin_sets.clear()
+
+            def ours(cfg):
+                return lambda a, b, sa, sb, bias: kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, bias, None, None,
+                                                                config=cfg)
+
+            base = dict(dtype=dtype, M=m, K=k, N=n, peer_us=round(peer_ms * 1e3, 2),
+                        bf16_us=round(bf16_ms * 1e3, 2))
+            flops = 2.0 * m * k * n
+
+            def add(cfg_name, ms):
+                rows.append(dict(base, cfg=cfg_name, us=round(ms * 1e3, 2), tops=round(flops / ms / 1e9, 1),
+                                 vs_peer=round(peer_ms / ms, 3)))
+
+            add("shipped", time_ms(ours(None), sets, graph=True, warmup=10, rep=40))
+            for bm, bn, bk, w, st, gm in TILES:
+                if time.perf_counter() - t0 > BUDGET_S:
+                    break
+                cfg = kmm.MMConfig(bm, bn, bk, w, st, gm)
+                try:
+                    ms = time_ms(ours(cfg), sets, graph=True, warmup=5, rep=25)
+                except Exception as err:  # noqa: BLE001 -- out of resources etc.
+                    print(f"{dtype} {m}x{k}x{n} {cfg} failed: {type(err).__name__}", flush=True)
+                    continue
+                add(f"{bm}x{bn}x{bk} w{w} s{st} g{gm}", ms)
+            mine = [r for r in rows if (r["dtype"], r["M"], r["K"], r["N"]) == (dtype, m, k, n)]
+            best = min(mine, key=lambda r: r["us"])
+            shipped = mine[0]
+            print(f"{dtype} {m}x{k}x{n}: peer {peer_ms * 1e3:.1f} us, shipped {shipped['us']} us "
+                  f"({shipped['vs_peer']}x); best {best['cfg']} {best['us']} us {best['vs_peer']}x peer "
+                  f"{best['tops']} TOPS [{time.perf_counter() - t0:.0f} s]", flush=True)
+            sets.clear()
+            torch.cuda.empty_cache()
+    write_result("tune_scaled_mm_prefill", "Prefill (M >= 1024) tile sweep for scaled_mm (dev)", rows)
+
+
+if __name__ == "__main__":
+    main()
