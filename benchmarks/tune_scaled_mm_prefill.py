@@ -6,7 +6,8 @@ CONFIGS["sm90"] in quantfuse/kernels/scaled_mm.py (buckets may be keyed by N).
 Per (dtype, M, K, N): the peer (fp8: torch._scaled_mm with rowwise scales and bias; int8: torch._int_mm + the
 epilogue in torch), bf16 F.linear, the shipped config and the candidates in TILES, per-token x per-channel
 scales + bias, bf16 out, CUDA graphs, inputs rotated past L2 (common.time_ms). Stops at TUNE_BUDGET_S
-(default 200 s) and writes tune_scaled_mm_prefill.json. `--dry-run` lists the candidates.
+(default 200 s) and writes tune_scaled_mm_prefill.json (TUNE_OUT_NAME overrides the name). `--dry-run`
+lists the candidates. TUNE_MS, TUNE_KN, TUNE_DTYPES and TUNE_TILES narrow a follow-up sweep.
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_scaled_mm_prefill.py
 """
 
@@ -23,11 +24,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 BUDGET_S = float(os.environ.get("TUNE_BUDGET_S", "200"))
 KN = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192)]
+if os.environ.get("TUNE_KN"):  # e.g. "4096:6144,8192:10240"
+    KN = [tuple(int(v) for v in kn.split(":")) for kn in os.environ["TUNE_KN"].split(",")]
 MS = tuple(int(v) for v in os.environ.get("TUNE_MS", "1024,4096").split(","))
-DTYPES = ("fp8", "int8")
+DTYPES = tuple(os.environ.get("TUNE_DTYPES", "fp8,int8").split(","))
 # (block_m, block_n, block_k, warps, stages, group_m)
 TILES = [(128, 256, 128, 8, 3, 8), (128, 128, 128, 8, 4, 8), (128, 128, 128, 4, 3, 8), (256, 128, 128, 8, 3, 8),
          (128, 256, 64, 8, 4, 8), (64, 256, 128, 4, 3, 8), (128, 128, 256, 8, 3, 8), (128, 256, 128, 8, 3, 16)]
+if os.environ.get("TUNE_TILES"):  # e.g. "128,128,128,8,5,8;128,128,64,4,5,8"
+    TILES = [tuple(int(v) for v in t.split(",")) for t in os.environ["TUNE_TILES"].split(";")]
 
 
 def main(argv=None):
@@ -113,7 +118,7 @@ def main(argv=None):
                   f"{best['tops']} TOPS [{time.perf_counter() - t0:.0f} s]", flush=True)
             sets.clear()
             torch.cuda.empty_cache()
-    write_result("tune_scaled_mm_prefill", "Prefill (M >= 1024) tile sweep for scaled_mm (dev)", rows)
+    write_result(os.environ.get("TUNE_OUT_NAME", "tune_scaled_mm_prefill"), "Prefill (M >= 1024) tile sweep for scaled_mm (dev)", rows)
 
 
 if __name__ == "__main__":

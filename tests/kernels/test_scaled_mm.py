@@ -636,3 +636,28 @@ def test_torch_compile_fullgraph(triton_backend):
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     for got, want in zip(compiled(a, b, af, bf), f(a, b, af, bf)):
         assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------------
+# large-M config choice (pure Python: tables, wave efficiency)
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m,n,expect_block_n", [
+    # the H100 measurements behind the sm90 fp8 rows (132 SMs): 128x256 where its waves are full,
+    # 128x128 where 128x256 leaves the last wave part-empty
+    (1024, 4096, 256), (1024, 6144, 128), (1024, 10240, 128), (1024, 28672, 256), (1024, 8192, 256),
+    (4096, 6144, 256), (4096, 10240, 256),
+])
+def test_wave_pick_fp8_rows_match_the_sweep(m, n, expect_block_n):
+    fp8_large = kmm._bucket(kmm.CONFIGS["sm90"], m, n)
+    assert kmm._wave_pick(fp8_large, m, n, 132).block_n == expect_block_n
+
+
+def test_wave_efficiency_and_int8_rows():
+    cfg = kmm.MMConfig(128, 256, 128, 8, 3)
+    assert kmm.wave_efficiency(1024, 6144, cfg, 132) == pytest.approx(192 / 264)
+    assert kmm.wave_efficiency(1024, 4096, cfg, 128) == 1.0
+    # int8 large M has its own first choice; the small-M rows are shared with fp8
+    assert kmm._bucket(kmm.CONFIGS["sm90_int8"], 4096, 4096)[0] == kmm.MMConfig(128, 128, 128, 4, 3)
+    for m, n in [(1, 4096), (16, 28672), (64, 4096), (256, 4096)]:
+        assert kmm._bucket(kmm.CONFIGS["sm90_int8"], m, n) == kmm._bucket(kmm.CONFIGS["sm90"], m, n)
+    assert kmm._table_rows(kmm.CONFIGS, torch.device("cpu"), "int8") is kmm.CONFIGS["default"]

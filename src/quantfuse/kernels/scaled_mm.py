@@ -67,18 +67,33 @@ _BIG = 1 << 62
 # gives the candidates, of which the first runs unless autotuning is opted into.
 Bucket = Union[Tuple[int, List[MMConfig]], Tuple[int, int, List[MMConfig]]]
 
+# Decode rows from benchmarks/tune_scaled_mm_decode.py on the H100 (fp8 and int8 alike, CUDA graphs, weights
+# rotated past L2): at M = 1 a 64-wide tile, at M = 16 a 32-wide one (4096x6144: 13.6 us vs 16.9; 14336x4096:
+# 28.9 vs 31.6), and 128-wide for N beyond 8192 (4096x28672: 50.4 us vs 55.5).
+_SM90_SMALL_M: List[Bucket] = [
+    (1, 8192, [MMConfig(16, 64, 256, 4, 4), MMConfig(16, 32, 256, 4, 4)]),
+    (1, [MMConfig(16, 128, 256, 4, 4), MMConfig(16, 64, 256, 4, 4)]),
+    (16, 8192, [MMConfig(16, 32, 256, 4, 4), MMConfig(16, 64, 256, 4, 4), MMConfig(16, 128, 128, 4, 5)]),
+    (16, [MMConfig(16, 128, 256, 4, 4), MMConfig(16, 64, 256, 4, 4)]),
+    (64, [MMConfig(64, 64, 256, 4, 4), MMConfig(64, 128, 128, 4, 4), MMConfig(32, 64, 256, 4, 4)]),
+    (256, [MMConfig(64, 128, 128, 4, 4), MMConfig(128, 128, 128, 8, 4), MMConfig(64, 256, 128, 8, 3)]),
+]
+
+# Large M from benchmarks/tune_scaled_mm_prefill.py (H100, the six Llama-3 (K, N) at M = 1024 and 4096, CUDA
+# graphs; results/tune_scaled_mm_prefill.json). Past SPLIT_K_MAX_M the launcher takes the first candidate
+# whose last wave is about as full as the best one's (`_wave_pick`), so the order is the preference:
+# - fp8: 128x256 (group 16) wherever its tiles fill the waves; 128x128 / 8 warps / 4 stages where 128x256
+#   leaves the last wave part-empty (1024x4096x6144: 192 tiles on 132 SMs; 47.4 us vs 50.5; 1024x8192x10240:
+#   143.4 vs 151.9).
+# - int8: 128x128 / 4 warps / 3 stages on every shape (1024x4096x6144: 51.2 us vs 65.6 for 128x256;
+#   4096x4096x4096 116.3 vs 132.1); 128x256 tied only at 4096x28672x8192 (1691 vs 1681 us).
 CONFIGS: Dict[str, List[Bucket]] = {
-    "sm90": [
-        # Decode rows from benchmarks/tune_scaled_mm_decode.py on the H100 (fp8 and int8 alike, CUDA graphs,
-        # weights rotated past L2): at M = 1 a 64-wide tile, at M = 16 a 32-wide one (4096x6144: 13.6 us vs
-        # 16.9; 14336x4096: 28.9 vs 31.6), and 128-wide for N beyond 8192 (4096x28672: 50.4 us vs 55.5).
-        (1, 8192, [MMConfig(16, 64, 256, 4, 4), MMConfig(16, 32, 256, 4, 4)]),
-        (1, [MMConfig(16, 128, 256, 4, 4), MMConfig(16, 64, 256, 4, 4)]),
-        (16, 8192, [MMConfig(16, 32, 256, 4, 4), MMConfig(16, 64, 256, 4, 4), MMConfig(16, 128, 128, 4, 5)]),
-        (16, [MMConfig(16, 128, 256, 4, 4), MMConfig(16, 64, 256, 4, 4)]),
-        (64, [MMConfig(64, 64, 256, 4, 4), MMConfig(64, 128, 128, 4, 4), MMConfig(32, 64, 256, 4, 4)]),
-        (256, [MMConfig(64, 128, 128, 4, 4), MMConfig(128, 128, 128, 8, 4), MMConfig(64, 256, 128, 8, 3)]),
-        (_BIG, [MMConfig(128, 256, 128, 8, 3), MMConfig(128, 128, 128, 8, 4), MMConfig(256, 128, 128, 8, 3)]),
+    "sm90": _SM90_SMALL_M + [
+        (_BIG, [MMConfig(128, 256, 128, 8, 3, 16), MMConfig(128, 128, 128, 8, 4), MMConfig(128, 256, 128, 8, 3)]),
+    ],
+    # int8 operands: the same small-M rows, their own large-M tile (consulted when the table has this key)
+    "sm90_int8": _SM90_SMALL_M + [
+        (_BIG, [MMConfig(128, 128, 128, 4, 3), MMConfig(128, 256, 128, 8, 3)]),
     ],
     "default": [
         (16, [MMConfig(16, 64, 128, 4, 3)]),
@@ -450,11 +465,37 @@ def _autotune_enabled() -> bool:
     return os.environ.get("QUANTFUSE_AUTOTUNE", "0") == "1"
 
 
-def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple, run) -> MMConfig:
+# a candidate whose last wave is at least this fraction as full as the best candidate's counts as full
+WAVE_TOLERANCE = 0.95
+
+
+def wave_efficiency(m: int, n: int, cfg: MMConfig, sms: int) -> float:
+    """Output tiles / (waves * SMs): 1.0 when the last wave of one-tile-per-SM programs is full."""
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return tiles / (triton.cdiv(tiles, sms) * sms)
+
+
+def _wave_pick(candidates: List[MMConfig], m: int, n: int, sms: int) -> MMConfig:
+    """The first candidate whose wave efficiency is within WAVE_TOLERANCE of the best (large M, no split-K:
+    there a part-empty last wave costs up to a whole tile's time; measured in tune_scaled_mm_prefill.json)."""
+    eff = [wave_efficiency(m, n, c, sms) for c in candidates]
+    best = max(eff)
+    return next(c for c, e in zip(candidates, eff) if e >= WAVE_TOLERANCE * best)
+
+
+def _table_rows(table, device: torch.device, flavor: Optional[str]) -> List[Bucket]:
+    arch = arch_key(device.type, device.index)
+    return table.get(f"{arch}_{flavor}", table[arch]) if flavor else table[arch]
+
+
+def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple, run,
+                 flavor: Optional[str] = None) -> MMConfig:
     if device.type != "cuda":
         return _INTERPRET_CONFIG
-    candidates = _bucket(table[arch_key(device.type, device.index)], m, n)
+    candidates = _bucket(_table_rows(table, device, flavor), m, n)
     if not _autotune_enabled() or len(candidates) == 1:
+        if m > SPLIT_K_MAX_M and len(candidates) > 1:
+            return _wave_pick(candidates, m, n, sm_count(device))
         return candidates[0]
     if key not in _tuned:
         # opt-in: time each candidate once for this exact shape (not inside graph capture)
@@ -542,7 +583,7 @@ def scaled_mm(
 
     if config is None:
         key = ("mm", a2d.dtype, m, n, k, b.stride(0) == 1, azp_mode, bias is not None, out_dtype)
-        config = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch)
+        config = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch, None if is_fp8 else "int8")
     return launch(config)
 
 
