@@ -82,14 +82,14 @@ _SM90_SMALL_M: List[Bucket] = [
 # Large M from benchmarks/tune_scaled_mm_prefill.py (H100, the six Llama-3 (K, N) at M = 1024 and 4096, CUDA
 # graphs; results/tune_scaled_mm_prefill.json). Past SPLIT_K_MAX_M the launcher takes the first candidate
 # whose last wave is about as full as the best one's (`_wave_pick`), so the order is the preference:
-# - fp8: 128x256 (group 16) wherever its tiles fill the waves; 128x128 / 8 warps / 4 stages where 128x256
-#   leaves the last wave part-empty (1024x4096x6144: 192 tiles on 132 SMs; 47.4 us vs 50.5; 1024x8192x10240:
-#   143.4 vs 151.9).
+# - fp8: 128x256 (group 16) wherever its tiles fill the waves; 128x128 / 4 warps / 5 stages where 128x256
+#   leaves the last wave part-empty (1024x4096x6144: 192 tiles on 132 SMs; 45.3 us vs 50.5, torch._scaled_mm
+#   45.1; 1024x8192x10240: 136.0 vs 151.9, torch 143.9; tune_scaled_mm_prefill_followup.json).
 # - int8: 128x128 / 4 warps / 3 stages on every shape (1024x4096x6144: 51.2 us vs 65.6 for 128x256;
 #   4096x4096x4096 116.3 vs 132.1); 128x256 tied only at 4096x28672x8192 (1691 vs 1681 us).
 CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": _SM90_SMALL_M + [
-        (_BIG, [MMConfig(128, 256, 128, 8, 3, 16), MMConfig(128, 128, 128, 8, 4), MMConfig(128, 256, 128, 8, 3)]),
+        (_BIG, [MMConfig(128, 256, 128, 8, 3, 16), MMConfig(128, 128, 128, 4, 5), MMConfig(128, 256, 128, 8, 3)]),
     ],
     # int8 operands: the same small-M rows, their own large-M tile (consulted when the table has this key)
     "sm90_int8": _SM90_SMALL_M + [
