@@ -30,6 +30,10 @@ import quantfuse as qf  # noqa: E402
 from quantfuse.kernels import weight_only as kw  # noqa: E402
 from quantfuse.weights import QuantizedWeight  # noqa: E402
 
+# float32 scales: what quantize_ gives by default; BENCH_SCALE_DTYPE=bfloat16 measures the packed conversion
+# (results then go to weight_only_bfloat16.json)
+SCALE_DTYPE = getattr(torch, os.environ.get("BENCH_SCALE_DTYPE", "float32"))
+
 BF16 = torch.bfloat16
 LLAMA_KN = [(4096, 6144), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192)]
 W4_M = [1, 16, 32, 64, 128, 1024, 4096]
@@ -124,7 +128,7 @@ def rel_err(a, b) -> float:
 def bench_shape(k, n, ms, bits, bw, rows, tinygemm_status, start):
     group = GROUP if bits == 4 else -1
     w = torch.randn(n, k, device="cuda")
-    qw = qf.quantize_weight(w, bits=bits, group_size=group, symmetric=True)
+    qw = qf.quantize_weight(w, bits=bits, group_size=group, symmetric=True, scale_dtype=SCALE_DTYPE)
     del w
     w_hat = qw.dequantize(BF16)
     wbytes = qw_bytes(qw)
@@ -214,9 +218,14 @@ def main():
         tg = f"n/a ({tinygemm_status.get('error', 'not attempted')})"
     table = kw._table(torch.device("cuda"))
     notes = (f"copy bandwidth {bw:.0f} GB/s measured in this run; CUDA graphs, weights rotated past L2. "
-             f"Our scales are float32 [K/128, N] (counted in weight_GBs). cublas_min_m={table['cublas_min_m']}. "
+             f"Our scales are {str(SCALE_DTYPE).replace('torch.', '')} [K/128, N] (counted in weight_GBs; "
+             f"BENCH_SCALE_DTYPE). cublas_min_m={table['cublas_min_m']}. "
              f"tinygemm (_weight_int4pack_mm, inner_k_tiles={INNER_K_TILES}): {tg}. total {time.time() - start:.0f} s")
-    path = common.write_result("weight_only", "Weight-only INT4/INT8 GEMM (W4A16 g128, W8A16) vs bf16 and tinygemm",
+    name = "weight_only" if SCALE_DTYPE == torch.float32 else f"weight_only_{str(SCALE_DTYPE)[6:]}"
+    title = "Weight-only INT4/INT8 GEMM (W4A16 g128, W8A16) vs bf16 and tinygemm"
+    if SCALE_DTYPE != torch.float32:
+        title += f", {str(SCALE_DTYPE)[6:]} scales (packed conversion where it applies)"
+    path = common.write_result(name, title,
                                rows, columns=columns, notes=notes,
                                extra={"tiles": [dict(t_) for t_ in table["tiles"]]})
     print()

@@ -53,6 +53,8 @@ WARPS = (1, 2, 4, 8)
 STAGES = (2, 3, 4)
 PPSM = (1, 2, 4, 8)
 BUDGET_S = float(os.environ.get("TUNE_BUDGET_S", "450"))
+# scales dtype of the swept weights: "bfloat16" (the activation dtype) lets convert "packed" run
+SCALE_DTYPE = os.environ.get("TUNE_SCALE_DTYPE", "float32")
 WARMUP_MS, REP_MS = 5, 20
 # "cpu" only for --cpu-smoke (the interpreter; checks this script's logic, times nothing real); an environment
 # variable so that the spawned compile workers see it too
@@ -226,7 +228,7 @@ def _make_qw(k, n, seed):
 
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     w = torch.randn(n, k, device=DEVICE, generator=g)
-    return qf.quantize_weight(w, bits=4, group_size=GROUP, symmetric=True)
+    return qf.quantize_weight(w, bits=4, group_size=GROUP, symmetric=True, scale_dtype=getattr(torch, SCALE_DTYPE))
 
 
 def _worker_init():
@@ -246,7 +248,7 @@ def _worker_qw(k, n):
     from quantfuse.weights import QuantizedWeight
 
     qweight = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=DEVICE, dtype=torch.int32)
-    scales = torch.rand(-(-k // GROUP), n, device=DEVICE) * 0.01
+    scales = (torch.rand(-(-k // GROUP), n, device=DEVICE) * 0.01).to(getattr(torch, SCALE_DTYPE))
     return QuantizedWeight(qweight, scales, None, 4, GROUP, (n, k), None)
 
 
@@ -479,11 +481,29 @@ def suggest(rows):
     return table
 
 
-def sweep(workers: int):
+def from_table(m: int):
+    """--from-table: the shipped sm90 tile for M with convert inplace / packed and half / double its
+    programs_per_sm, plus (M >= 64) the M = 64 runners-up of the last sweep at a few programs_per_sm."""
+    from quantfuse.kernels import weight_only as kw
+
+    base = next(t for t in kw._DISPATCH["sm90"]["tiles"] if m <= t["max_m"])
+    base = {k: v for k, v in base.items() if k != "max_m"}
+    p = base["programs_per_sm"]
+    out = [dict(base, convert=cv, programs_per_sm=pp) for cv in ("packed", "inplace")
+           for pp in sorted({max(1, p // 2), p, 2 * p})]
+    if m >= 64 and base["block_m"] <= 64:
+        for extra in (dict(block_n=64, chunks=2, num_warps=4, num_stages=3), dict(block_n=128, chunks=1, num_warps=4, num_stages=4)):
+            out += [dict(base, **extra, convert="packed", programs_per_sm=pp) for pp in (1, 2, 4)]
+    return dedupe(out)
+
+
+def sweep(workers: int, table_only: bool = False):
     sw = Sweep(workers)
     try:
-        s1 = {(m, k, n): stage1(m) for m in MS for (k, n) in SHAPES}
+        s1 = {(m, k, n): (from_table(m) if table_only else stage1(m)) for m in MS for (k, n) in SHAPES}
         r1 = sw.run_stage("stage 1", s1)
+        if table_only:
+            r1 = {}
         s2 = {}
         for km, timed in r1.items():
             seen = {key(c) for _, c in timed}
@@ -495,7 +515,7 @@ def sweep(workers: int):
             if timed:
                 seen = {key(c) for _, c in timed}
                 s3[km] = dedupe(stage3(timed[0][1]), seen)
-        if not sw.over_budget():
+        if not sw.over_budget() and s3:
             sw.run_stage("stage 3", {k: v for k, v in s3.items() if v})
     finally:
         sw.close()
@@ -546,6 +566,8 @@ def main():
     ap.add_argument("--census", action="store_true", help="compile stage-1 candidates for sm90 offline (no GPU)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="developer check of this script's logic on CPU (interpreter, tiny shapes, no timings)")
+    ap.add_argument("--from-table", action="store_true",
+                    help="time only the shipped tiles' convert / programs_per_sm variants (see from_table)")
     ap.add_argument("--workers", type=int, default=min(12, max(0, (os.cpu_count() or 1) - 2)),
                     help="compile worker processes (0: compile in the timed process)")
     args = ap.parse_args()
@@ -565,7 +587,7 @@ def main():
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (use --dry-run or --census without one)")
         return
-    sweep(args.workers)
+    sweep(args.workers, args.from_table)
 
 
 if __name__ == "__main__":

@@ -220,6 +220,8 @@ def test_shape_error_names_layer():
     (lambda: Int8StaticConfig(percentile=120.0), ValueError, "percentile"),
     (lambda: Int4WeightOnlyConfig(group_size=100), ValueError, "group_size"),
     (lambda: Int4WeightOnlyConfig(algorithm="awq"), ValueError, "algorithm"),
+    (lambda: Int4WeightOnlyConfig(scale_dtype="bfloat16"), TypeError, "scale_dtype"),
+    (lambda: Int8WeightOnlyConfig(scale_dtype=torch.float64), ValueError, "scale_dtype"),
     (lambda: Int8DynamicConfig(skip=(1,)), TypeError, "skip"),
     (lambda: Int8DynamicConfig(overrides={"x": "int8"}), TypeError, "overrides"),
     (lambda: Int8DynamicConfig(skip=("re:(",)), ValueError, "regular expression"),
@@ -257,6 +259,65 @@ def test_gptq_beats_rtn_on_output_error():
     assert e_gptq < 0.8 * e_rtn
     q, _ = gptq.codes()
     assert int(q.min()) >= -8 and int(q.max()) <= 7
+
+
+# (config, model dtype, scale dtype the kernels' QuantizedWeight gets)
+SCALE_DTYPE_CASES = [
+    (Int4WeightOnlyConfig(), torch.bfloat16, torch.float32),  # default: float32 (measured faster overall)
+    (Int4WeightOnlyConfig(scale_dtype="auto"), torch.bfloat16, torch.bfloat16),
+    (Int4WeightOnlyConfig(group_size=64, symmetric=False, scale_dtype="auto"), torch.float16, torch.float16),
+    (Int4WeightOnlyConfig(scale_dtype="auto"), torch.float32, torch.float32),
+    (Int8WeightOnlyConfig(scale_dtype="auto"), torch.float16, torch.float16),
+    (Int8WeightOnlyConfig(scale_dtype="auto"), torch.bfloat16, torch.float32),  # no packed int8 path in bfloat16
+    (Int4WeightOnlyConfig(scale_dtype=torch.float32), torch.bfloat16, torch.float32),
+    (Int8WeightOnlyConfig(group_size=32, symmetric=False, scale_dtype=torch.bfloat16), torch.float32, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("config,model_dtype,scale_dtype", SCALE_DTYPE_CASES,
+                         ids=[f"{c.scheme}-{str(m)[6:]}-{str(s)[6:]}" for c, m, s in SCALE_DTYPE_CASES])
+def test_weight_only_scale_dtype(config, model_dtype, scale_dtype, tmp_path):
+    """scale_dtype (None: float32, "auto": from the layer's weight dtype) reaches the kernels' QuantizedWeight, with the codes
+    of ops.quantize_weight at that dtype; the module's weight_scale buffer keeps that dtype through a move
+    and a checkpoint round trip (so the packed conversion survives them), and dequantized weight, forward
+    and the reloaded model agree bit for bit."""
+    model = sequential().to(model_dtype).eval()
+    weights = [model[0].weight.detach().clone(), model[2].weight.detach().clone()]
+    quantize_(model, config, progress=False)
+    x = torch.randn(3, 128).to(model_dtype)
+    y = model(x)
+    save_quantized(model, tmp_path)
+    loaded = load_quantized(tmp_path, sequential().to(model_dtype))
+    for i, w in zip((0, 2), weights):
+        layer = model[i]
+        qw = layer.quantized_weight()
+        assert qw.scales.dtype == scale_dtype
+        want = qf.quantize_weight(w, bits=config.bits, group_size=config.group_size, symmetric=config.symmetric,
+                                  scale_dtype=scale_dtype)
+        assert torch.equal(qw.qweight, want.qweight) and torch.equal(qw.scales, want.scales)
+        assert layer.weight_scale.dtype == scale_dtype and torch.equal(layer.weight_scale, qw.scales.t())
+        assert loaded[i].weight_scale.dtype == scale_dtype
+        assert loaded[i].quantized_weight().scales.dtype == scale_dtype
+        layer.to("cpu")  # a move rebuilds the kernel weight from the buffers
+        assert layer.quantized_weight().scales.dtype == scale_dtype
+        for dt in (torch.float16, torch.bfloat16, torch.float32):
+            assert torch.equal(layer.dequantized_weight(dt), qw.dequantize(dt))
+            assert torch.equal(loaded[i].dequantized_weight(dt), layer.dequantized_weight(dt))
+    assert torch.equal(loaded(x), y)
+
+
+def test_weight_only_scale_dtype_gptq_rounds_scales_keeps_codes():
+    torch.manual_seed(3)
+    lin = nn.Linear(256, 64).to(torch.bfloat16)
+    x = torch.randn(256, 256)
+    h = x.double().t() @ x.double()
+    stats = type("Stats", (), {"seen": 1, "hessian": h})()
+    layer = Int4WeightOnlyConfig(algorithm="gptq", symmetric=False, scale_dtype="auto").convert(lin, stats)
+    u, scales, zeros = qm.gptq_quantize(lin.weight, h, 4, 128, False)
+    qw = layer.quantized_weight()
+    assert qw.scales.dtype == torch.bfloat16 and torch.equal(qw.scales, scales.to(torch.bfloat16))
+    assert torch.equal(qw.biased_codes(), u) and torch.equal(qw.zero_points(), zeros.to(torch.int32))
+    assert torch.equal(layer.dequantized_weight(torch.float32), qw.dequantize(torch.float32))
 
 
 def test_half_cast_keeps_codes():
@@ -332,7 +393,7 @@ def test_compressed_tensors_config_layout(tmp_path):
 # ----------------------------------------------------------------------------------------------------
 CT_CONFIGS = [Int8DynamicConfig(), Int8StaticConfig(symmetric=False), config_for_scheme("fp8_dynamic"),
               Fp8BlockConfig(), Int4WeightOnlyConfig(), Int4WeightOnlyConfig(group_size=64, symmetric=False),
-              Int8WeightOnlyConfig()]
+              Int8WeightOnlyConfig(), Int4WeightOnlyConfig(symmetric=False, scale_dtype=torch.bfloat16)]
 
 
 @pytest.mark.parametrize("config", CT_CONFIGS, ids=[c.scheme + str(i) for i, c in enumerate(CT_CONFIGS)])
@@ -360,8 +421,9 @@ def test_compressed_tensors_decompresses_our_files(config, tmp_path):
             local = {k[len(prefix):]: v for k, v in tensors.items()
                      if k.startswith(prefix) and "." not in k[len(prefix):]}
             out = compressor.decompress(local, group)
-            theirs = out["weight"].float()
-            mine = ours[name].dequantized_weight(torch.float32)
+            # they decompress in the scales' dtype (one rounding of (q - z) * s there, as ours)
+            theirs = out["weight"]
+            mine = ours[name].dequantized_weight(theirs.dtype)
             assert torch.equal(theirs, mine), (ct.__version__, name)
             checked += 1
     assert checked == len(ours) > 0

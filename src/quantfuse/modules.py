@@ -589,7 +589,10 @@ class WeightOnlyLinear(QuantizedLinear):
         self.bits = int(bits)
         self.group_size = int(group_size)
         self.register_buffer("weight_packed", weight_packed.to(torch.int32).contiguous())
-        self.register_buffer("weight_scale", weight_scale.float().contiguous())
+        # float32, or float16 / bfloat16 scales (what the packed conversion of weight_only_mm reads); any
+        # other float dtype is widened to float32
+        scale = weight_scale if weight_scale.dtype in (torch.float16, torch.bfloat16) else weight_scale.float()
+        self.register_buffer("weight_scale", scale.contiguous())
         self.register_buffer("weight_shape", weight_shape.to(torch.int64).reshape(2).contiguous())
         self.register_buffer("weight_zero_point",
                              None if weight_zero_point is None else weight_zero_point.to(torch.int32).contiguous())
@@ -604,10 +607,13 @@ class WeightOnlyLinear(QuantizedLinear):
         return self.weight_zero_point is None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: int = 128,
-                    symmetric: bool = True, hessian: Optional[Tensor] = None) -> "WeightOnlyLinear":
+    def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: int = 128, symmetric: bool = True,
+                    hessian: Optional[Tensor] = None, scale_dtype: torch.dtype = torch.float32) -> "WeightOnlyLinear":
         """Round to nearest (SPEC section 4), or GPTQ when `hessian` (sum of x x^T over calibration inputs,
-        [K, K]) is given (`gptq_quantize`)."""
+        [K, K]) is given (`gptq_quantize`). scale_dtype: float32, float16 or bfloat16 scales; 16-bit scales
+        in the activation dtype let the GEMM dequantize two weights per packed instruction. RTN rounds the
+        float32 scale up to scale_dtype and computes the codes with it (`quantize_weight`); GPTQ keeps its
+        codes and rounds its scales to nearest (w_hat moves by at most 2^-9 relative in bfloat16)."""
         _check_linear(linear)
         n, k = linear.weight.shape
         if bits not in (4, 8):
@@ -620,12 +626,18 @@ class WeightOnlyLinear(QuantizedLinear):
         # quantize_weight gives biased codes u = q + 2^(bits-1) (symmetric) or unsigned codes u with zero
         # points z; compressed-tensors stores both offset by -2^(bits-1): the difference u - z is unchanged.
         if hessian is None:
-            qw = ops.quantize_weight(linear.weight.detach(), bits=bits, group_size=group_size, symmetric=symmetric)
+            qw = ops.quantize_weight(linear.weight.detach(), bits=bits, group_size=group_size, symmetric=symmetric,
+                                     scale_dtype=scale_dtype)
         else:
-            from .weights import QuantizedWeight
+            from .weights import QuantizedWeight, check_scale_dtype
 
+            check_scale_dtype(scale_dtype)
             u, sc, zs = gptq_quantize(linear.weight, hessian, bits, group_size, symmetric)
-            qw = QuantizedWeight.from_codes(u, sc, zs, bits, group_size)
+            rounded = sc.to(scale_dtype)
+            if not bool(torch.isfinite(rounded).all()):
+                raise ValueError(f"scale_dtype: {scale_dtype} cannot hold this layer's GPTQ scales (max "
+                                 f"{float(sc.max()):.6g}); use torch.bfloat16 or torch.float32")
+            qw = QuantizedWeight.from_codes(u, rounded, zs, bits, group_size)
         offset = 1 << (bits - 1)
         packed = pack_int32(qw.biased_codes() - offset, bits, dim=1)
         zp = None if symmetric else pack_int32(qw.zero_points().t() - offset, bits, dim=0)
@@ -649,7 +661,7 @@ class WeightOnlyLinear(QuantizedLinear):
         diff = q.reshape(n, k // g, g).float()
         if z is not None:
             diff = diff - z.float()[:, :, None]
-        return (diff * self.weight_scale[:, :, None]).reshape(n, k).to(dtype)
+        return (diff * self.weight_scale.float()[:, :, None]).reshape(n, k).to(dtype)
 
     def _device_changed(self) -> None:
         self._qw = None
@@ -660,7 +672,8 @@ class WeightOnlyLinear(QuantizedLinear):
             from .weights import QuantizedWeight
 
             self._qw = QuantizedWeight.from_compressed_tensors(
-                self.weight_packed, self.weight_scale, self.weight_shape, self.weight_zero_point)
+                self.weight_packed, self.weight_scale, self.weight_shape, self.weight_zero_point,
+                scale_dtype=None)  # keep the buffer's dtype: 16-bit scales keep the packed conversion
         return self._qw
 
     def forward(self, x: Tensor) -> Tensor:

@@ -565,7 +565,8 @@ def silu_and_mul_quant(
 # ----------------------------------------------------------------------------------------------------
 __all__ += ["QuantizedWeight", "quantize_weight", "weight_only_mm"]
 
-from .weights import VALID_BITS, VALID_GROUP_SIZES, QuantizedWeight  # noqa: E402
+from .weights import SCALE_DTYPES, VALID_BITS, VALID_GROUP_SIZES, QuantizedWeight  # noqa: E402
+from .weights import check_scale_dtype as _check_scale_dtype  # noqa: E402
 from .weights import quantize_weight as _quantize_weight_impl  # noqa: E402
 from .weights import unpack_codes as _unpack_codes  # noqa: E402
 
@@ -619,13 +620,17 @@ def _(x, qweight, scales, zeros, perm, bias, bits, group_size, n):
     return x.new_empty((*x.shape[:-1], n))
 
 
-def quantize_weight(w: Tensor, bits: int = 4, group_size: int = 128, symmetric: bool = True) -> QuantizedWeight:
+def quantize_weight(w: Tensor, bits: int = 4, group_size: int = 128, symmetric: bool = True,
+                    scale_dtype: torch.dtype = torch.float32) -> QuantizedWeight:
     """Quantize a [N, K] weight (SPEC section 4): one scale (and, asymmetric, one integer zero point)
     per (group of `group_size` consecutive k, output channel); group_size=-1 is per channel.
 
     Symmetric: s = max(amax, 1e-10) / qmax, q in [-qmax-1, qmax]. Asymmetric: unsigned q in
     [0, 2^bits - 1] with z = rne(-min(w, 0) / s). w ~= (q - z) * s. K must be a multiple of 8; a last
-    partial group is allowed."""
+    partial group is allowed. scale_dtype (float32, float16 or bfloat16): the dtype of the stored scales;
+    a 16-bit s is the float32 one rounded up, and the codes are computed with it. Scales in the
+    activation dtype let `weight_only_mm` convert two weights per packed 16-bit instruction (the "packed"
+    conversion: int4 with float16 / bfloat16 activations, int8 with float16), with the same result."""
     check_tensor("w", w, FLOAT_DTYPES)
     if w.dim() != 2:
         raise ValueError(f"w: expected a 2-D [N, K] weight, got shape {tuple(w.shape)}")
@@ -637,7 +642,8 @@ def quantize_weight(w: Tensor, bits: int = 4, group_size: int = 128, symmetric: 
         raise ValueError(f"group_size: expected one of {VALID_GROUP_SIZES}, got {group_size!r}")
     if not isinstance(symmetric, bool):
         raise TypeError(f"symmetric: expected a bool, got {type(symmetric).__name__}")
-    return _quantize_weight_impl(w, bits, group_size, symmetric)
+    _check_scale_dtype(scale_dtype)
+    return _quantize_weight_impl(w, bits, group_size, symmetric, scale_dtype)
 
 
 def weight_only_mm(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None) -> Tensor:
@@ -647,6 +653,8 @@ def weight_only_mm(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None
     check_last_dim_contiguous("x", x)
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"qw: expected a QuantizedWeight, got {type(qw).__name__}")
+    if qw.scales.dtype not in SCALE_DTYPES:
+        raise TypeError(f"qw: expected scales of dtype float32, float16 or bfloat16, got {qw.scales.dtype}")
     n, k = qw.shape
     if x.shape[-1] != k:
         raise ValueError(f"x: expected last dimension K={k} (qw.shape[1]), got shape {tuple(x.shape)}")

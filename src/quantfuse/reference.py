@@ -276,30 +276,50 @@ def _weight_groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def quantize_weight(
-    w: torch.Tensor, bits: int = 4, group_size: int = 128, symmetric: bool = True
+    w: torch.Tensor, bits: int = 4, group_size: int = 128, symmetric: bool = True,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Weight [N, K] -> (q [N, K] int32, scales [G, N] float32, zeros [G, N] int32 or None), G = ceil(K / g).
+    """Weight [N, K] -> (q [N, K] int32, scales [G, N] scale_dtype, zeros [G, N] int32 or None), G = ceil(K / g).
 
     Symmetric: s = max(amax, 1e-10) / qmax (qmax = 2^(bits-1) - 1), q = clamp(rne(w / s), -qmax-1, qmax).
     Asymmetric: lo = min(min w, 0), hi = max(max w, 0), s = max(hi - lo, 1e-10) / (2^bits - 1),
-    z = clamp(rne(-lo / s), 0, 2^bits - 1), q = clamp(rne(w / s) + z, 0, 2^bits - 1). True divisions."""
+    z = clamp(rne(-lo / s), 0, 2^bits - 1), q = clamp(rne(w / s) + z, 0, 2^bits - 1). True divisions.
+    scale_dtype float16 / bfloat16: s (float32 as above) is first rounded *up* to the nearest value of
+    that dtype, and the codes are computed with the rounded s, the one that is stored. Rounding up keeps
+    the grid covering [-amax, amax] (or [lo, hi]), so no code clips further than with the float32 scale
+    and |w - (q - z) * s| <= s / 2 still holds with the stored s; a 16-bit scale lets the weight-only
+    kernels scale in 16-bit arithmetic exactly (kernels/weight_only.py, "packed"). ValueError when a
+    scale overflows the dtype (float16: a scale above 65504)."""
     n, k = w.shape
     groups = _weight_groups(w, group_size)
+
+    def round_up(scales: torch.Tensor) -> torch.Tensor:
+        if scale_dtype == torch.float32:
+            return scales
+        r = scales.to(scale_dtype)
+        below = r.float() < scales
+        r = (r.view(torch.int16) + below.to(torch.int16)).view(scale_dtype)  # s > 0: next bit pattern = next up
+        bad = ~torch.isfinite(r) & torch.isfinite(scales)
+        if bool(bad.any()):
+            raise ValueError(f"scale_dtype: {str(scale_dtype).replace('torch.', '')} cannot hold the scale "
+                             f"{float(scales[bad].max()):.6g} of this weight; use torch.bfloat16 or torch.float32")
+        return r.float()
+
     if symmetric:
         qmax = float(2 ** (bits - 1) - 1)
-        scales = torch.clamp(groups.abs().amax(dim=2), min=SCALE_FLOOR) / qmax
+        scales = round_up(torch.clamp(groups.abs().amax(dim=2), min=SCALE_FLOOR) / qmax)
         q = torch.round(groups / scales.unsqueeze(2)).clamp(-qmax - 1, qmax)
         zeros = None
     else:
         top = float(2**bits - 1)
         lo = groups.amin(dim=2).clamp(max=0.0)
         hi = groups.amax(dim=2).clamp(min=0.0)
-        scales = torch.clamp(hi - lo, min=SCALE_FLOOR) / top
+        scales = round_up(torch.clamp(hi - lo, min=SCALE_FLOOR) / top)
         zeros = torch.round(-lo / scales).clamp(0.0, top)
         q = (torch.round(groups / scales.unsqueeze(2)) + zeros.unsqueeze(2)).clamp(0.0, top)
         zeros = zeros.to(torch.int32).t().contiguous()
     q = q.nan_to_num(0.0).reshape(n, -1)[:, :k].to(torch.int32)
-    return q, scales.t().contiguous(), zeros
+    return q, scales.t().contiguous().to(scale_dtype), zeros
 
 
 def dequantize_weight(

@@ -22,6 +22,7 @@ WORDS_PER_CHUNK = 16
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ: field i of a word holds output column 8c + _AWQ_ORDER[i]
 VALID_BITS = (4, 8)
 VALID_GROUP_SIZES = (32, 64, 128, 256, -1)
+SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _chunk(bits: int) -> int:
@@ -100,9 +101,11 @@ def unpack_codes(words: torch.Tensor, bits: int, k: int) -> torch.Tensor:
 class QuantizedWeight:
     """A [N, K] weight quantized to `bits` with one scale (and zero point) per (group, output channel).
 
-    Attributes: qweight int32 [N, K_pad / (32/bits)] (packed, see `pack_codes`), scales float32
-    [num_groups, N], zeros int32 [num_groups, N] or None (symmetric: the bias 2^(bits-1)), bits,
-    group_size (-1: per channel), shape (N, K), perm (int64 [K] or None, act-order)."""
+    Attributes: qweight int32 [N, K_pad / (32/bits)] (packed, see `pack_codes`), scales [num_groups, N]
+    float32, float16 or bfloat16 (`SCALE_DTYPES`; the kernels widen them exactly, and scales in the
+    activation dtype enable the faster "packed" conversion), zeros int32 [num_groups, N] or None
+    (symmetric: the bias 2^(bits-1)), bits, group_size (-1: per channel), shape (N, K), perm (int64 [K]
+    or None, act-order)."""
 
     def __init__(self, qweight, scales, zeros, bits: int, group_size: int, shape: Tuple[int, int],
                  perm: Optional[torch.Tensor] = None):
@@ -118,11 +121,14 @@ class QuantizedWeight:
     @classmethod
     def from_codes(cls, u: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], bits: int,
                    group_size: int, perm: Optional[torch.Tensor] = None) -> "QuantizedWeight":
-        """From biased codes u [N, K] (0..2^bits-1, in stored column order), float scales [G, N] and
-        integer zero points [G, N] (None: 2^(bits-1))."""
+        """From biased codes u [N, K] (0..2^bits-1, in stored column order), float scales [G, N] (kept in
+        float16 / bfloat16 / float32, any other dtype becomes float32) and integer zero points [G, N]
+        (None: 2^(bits-1))."""
         n, k = u.shape
         zeros = None if zeros is None else zeros.to(torch.int32).contiguous()
-        return cls(pack_codes(u, bits), scales.to(torch.float32).contiguous(), zeros, bits, group_size,
+        if scales.dtype not in SCALE_DTYPES:
+            scales = scales.to(torch.float32)
+        return cls(pack_codes(u, bits), scales.contiguous(), zeros, bits, group_size,
                    (n, k), None if perm is None else perm.to(torch.int64).contiguous())
 
     @property
@@ -172,10 +178,13 @@ class QuantizedWeight:
     # -- loaders ------------------------------------------------------------------------------------
     @classmethod
     def from_gptq(cls, qweight, qzeros, scales, g_idx=None, bits: int = 4,
-                  checkpoint_format: str = "gptq") -> "QuantizedWeight":
+                  checkpoint_format: str = "gptq", scale_dtype: Optional[torch.dtype] = torch.float32
+                  ) -> "QuantizedWeight":
         """GPTQ: qweight int32 [K/(32/bits), N] packed along K (natural order), qzeros int32
         [G, N/(32/bits)] packed along N, scales [G, N]; "gptq" (v1) stores zero - 1, "gptq_v2" the zero.
-        g_idx [K] (act-order) maps each input row to its group."""
+        g_idx [K] (act-order) maps each input row to its group. scale_dtype: torch.float32 (default; an
+        exact widening), None (keep the checkpoint's dtype, e.g. float16, which float16 activations use
+        with the kernels' "packed" conversion) or a 16-bit dtype holding every scale exactly (else ValueError)."""
         _check_bits(bits, VALID_BITS)
         if checkpoint_format not in ("gptq", "gptq_v2"):
             raise ValueError(f"checkpoint_format: expected 'gptq' or 'gptq_v2', got {checkpoint_format!r}")
@@ -196,12 +205,14 @@ class QuantizedWeight:
         group_size, perm = _group_size_from_gidx(g_idx, k, groups, qweight.device)
         if perm is not None:
             u = u.index_select(1, perm)
-        return cls.from_codes(u, scales, z, bits, group_size, perm)
+        return cls.from_codes(u, _cast_scales(scales, scale_dtype), z, bits, group_size, perm)
 
     @classmethod
-    def from_awq(cls, qweight, qzeros, scales, bits: int = 4) -> "QuantizedWeight":
+    def from_awq(cls, qweight, qzeros, scales, bits: int = 4,
+                 scale_dtype: Optional[torch.dtype] = torch.float32) -> "QuantizedWeight":
         """AWQ (GEMM layout): qweight int32 [K, N/8] packed along N in field order 0,2,4,6,1,3,5,7, qzeros
-        int32 [G, N/8] likewise, scales [G, N]; w = (q - z) * s with the exact zero."""
+        int32 [G, N/8] likewise, scales [G, N]; w = (q - z) * s with the exact zero. scale_dtype as for
+        `from_gptq`."""
         _check_bits(bits, (4,))
         _check_int32("qweight", qweight, 2)
         _check_int32("qzeros", qzeros, 2)
@@ -215,15 +226,15 @@ class QuantizedWeight:
         u = unpack_along(qweight, 4, 1, _AWQ_ORDER).t()
         z = unpack_along(qzeros, 4, 1, _AWQ_ORDER)
         group_size, _ = _group_size_from_gidx(None, k, groups, qweight.device)
-        return cls.from_codes(u, scales, z, 4, group_size)
+        return cls.from_codes(u, _cast_scales(scales, scale_dtype), z, 4, group_size)
 
     @classmethod
-    def from_compressed_tensors(cls, weight_packed, weight_scale, weight_shape,
-                                weight_zero_point=None) -> "QuantizedWeight":
+    def from_compressed_tensors(cls, weight_packed, weight_scale, weight_shape, weight_zero_point=None,
+                                scale_dtype: Optional[torch.dtype] = torch.float32) -> "QuantizedWeight":
         """compressed-tensors pack-quantized: weight_packed int32 [N, ceil(K/(32/bits))] packed along K
         (natural order) with signed codes offset by 2^(bits-1); weight_scale [N, G]; weight_shape (N, K);
         weight_zero_point (asymmetric) int32 [ceil(N/(32/bits)), G], offset signed zero points packed
-        along N. w = (q - zp) * s."""
+        along N. w = (q - zp) * s. scale_dtype as for `from_gptq`."""
         _check_int32("weight_packed", weight_packed, 2)
         _check_float("weight_scale", weight_scale, 2)
         n, k = (int(v) for v in (weight_shape.tolist() if isinstance(weight_shape, torch.Tensor) else weight_shape))
@@ -251,7 +262,7 @@ class QuantizedWeight:
             # Both codes and zero points carry the same offset 2^(bits-1): their difference is q - zp.
             z = unpack_along(weight_zero_point, bits, 0)[:n].t()
         group_size, _ = _group_size_from_gidx(None, k, groups, weight_packed.device)
-        return cls.from_codes(u, weight_scale.t(), z, bits, group_size)
+        return cls.from_codes(u, _cast_scales(weight_scale.t(), scale_dtype, "weight_scale"), z, bits, group_size)
 
 
 def _check_bits(bits, allowed) -> None:
@@ -275,6 +286,34 @@ def _check_float(name, t, ndim) -> None:
         raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {str(t.dtype).replace('torch.', '')}")
     if t.dim() != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+
+
+def check_scale_dtype(scale_dtype, allow_none: bool = False) -> None:
+    """TypeError / ValueError naming `scale_dtype` unless it is one of `SCALE_DTYPES` (or None if allowed)."""
+    if scale_dtype is None and allow_none:
+        return
+    if not isinstance(scale_dtype, torch.dtype):
+        raise TypeError(f"scale_dtype: expected a torch.dtype ({', '.join(map(str, SCALE_DTYPES))}"
+                        f"{' or None' if allow_none else ''}), got {type(scale_dtype).__name__}")
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype: expected one of {', '.join(map(str, SCALE_DTYPES))}"
+                         f"{' or None' if allow_none else ''}, got {scale_dtype}")
+
+
+def _cast_scales(scales: torch.Tensor, scale_dtype: Optional[torch.dtype], name: str = "scales") -> torch.Tensor:
+    """A loader's scales in scale_dtype (None: the checkpoint's own dtype). Only exact conversions: a
+    checkpoint's scales define the weight, so a cast that would round one raises ValueError."""
+    check_scale_dtype(scale_dtype, allow_none=True)
+    if scale_dtype is None or scale_dtype == scales.dtype:
+        return scales
+    out = scales.to(scale_dtype)
+    if scale_dtype == torch.float32:
+        return out  # widening a 16-bit float is exact
+    same = (out.to(torch.float64) == scales.to(torch.float64)) | torch.isnan(scales)
+    if not bool(same.all()):
+        raise ValueError(f"scale_dtype: {name} ({str(scales.dtype).replace('torch.', '')}) are not all exactly "
+                         f"representable in {str(scale_dtype).replace('torch.', '')}; pass None or torch.float32")
+    return out
 
 
 def _group_size_from_gidx(g_idx, k: int, groups: int, device) -> Tuple[int, Optional[torch.Tensor]]:
@@ -305,8 +344,10 @@ def _group_size_from_gidx(g_idx, k: int, groups: int, device) -> Tuple[int, Opti
     return group_size, perm
 
 
-def quantize_weight(w: torch.Tensor, bits: int = 4, group_size: int = 128, symmetric: bool = True) -> QuantizedWeight:
-    """Quantize [N, K] w (SPEC section 4) and pack it; validation is in `quantfuse.ops.quantize_weight`."""
-    q, scales, zeros = ref.quantize_weight(w, bits, group_size, symmetric)
+def quantize_weight(w: torch.Tensor, bits: int = 4, group_size: int = 128, symmetric: bool = True,
+                    scale_dtype: torch.dtype = torch.float32) -> QuantizedWeight:
+    """Quantize [N, K] w (SPEC section 4) and pack it; validation is in `quantfuse.ops.quantize_weight`.
+    scale_dtype: see `quantfuse.reference.quantize_weight` (16-bit scales are rounded up, codes follow)."""
+    q, scales, zeros = ref.quantize_weight(w, bits, group_size, symmetric, scale_dtype)
     u = q + (1 << (bits - 1)) if symmetric else q
     return QuantizedWeight.from_codes(u, scales, zeros, bits, group_size)

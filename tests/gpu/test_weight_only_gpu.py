@@ -28,6 +28,15 @@ What is checked:
   at M = 1024.
 - (c) bias, 3-D x, padded-row x, NaN isolation between rows, act-order (GPTQ g_idx), CUDA graph capture
   and torch.compile(fullgraph=True) of a function calling quantfuse.weight_only_mm.
+- (d) The packed conversion (tile convert="packed": PTX with two weights per 16-bit pair instruction,
+  scales in x's dtype) for bfloat16 int4, float16 int4 and float16 int8: exhaustively (every code at every
+  field, every zero point 0 .. 2^bits, 16-bit scales of every kind including float16 subnormals) on
+  identity rows against the reference's w_hat bit for bit, and on random x through every shipped sm90 tile
+  with "packed" (plus an mma.sync and a chunks=4 tile) at M in {1, 16, 64}, N = 257, K = 200 (partial
+  group and chunk) or 4096 and group 128 / 32 / 64 / per channel (rotating over the tiles): bit for bit
+  equal to the same tile with "inplace" (same w_hat, same products in the same order), within the bound
+  of (b) against the float32 reference, and identity rows equal to w_hat. Launches are checked to have
+  run CONVERT 2.
 
 Set $OUT to also get weight_only_gpu_bounds.json with every case's worst ratios.
 """
@@ -414,3 +423,123 @@ def test_fused_split_k_reduction_on_gpu(monkeypatch, m, k, n):
     separate = qf.weight_only_mm(x, qw, bias)
     for got in runs:
         assert torch.equal(got, separate)
+
+
+# ---------------------------------------------------------------------------------------------------
+# (d) the packed conversion (convert="packed")
+# ---------------------------------------------------------------------------------------------------
+PACKED_KINDS = [(4, BF16), (4, FP16), (8, FP16)]  # where kw.packed_applies with scales in x's dtype
+
+
+class _ConvertSpy:
+    """Wraps _wo_mm_kernel and records each launch's CONVERT (the packed path must really run)."""
+
+    def __init__(self, fn):
+        self.fn, self.converts = fn, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.converts.append(kwargs["CONVERT"])
+            return self.fn[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.fixture
+def convert_spy(monkeypatch):
+    spy = _ConvertSpy(kw._wo_mm_kernel)
+    monkeypatch.setattr(kw, "_wo_mm_kernel", spy)
+    return spy
+
+
+def _packed_tiles():
+    """Every shipped sm90 tile with convert="packed", an mma.sync tile (block_n 32) and a chunks=4 tile."""
+    tiles = [dict(t, convert="packed") for t in kw._DISPATCH["sm90"]["tiles"]]
+    tiles.append(dict(max_m=64, block_m=16, block_n=32, num_warps=2, num_stages=3, programs_per_sm=2, chunks=1,
+                      kernel="mma", convert="packed"))
+    tiles.append(dict(max_m=64, block_m=32, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, chunks=4,
+                      kernel="mma", convert="packed"))
+    return tiles
+
+
+def _tile_label(t):
+    return f"m{t['block_m']}n{t['block_n']}c{t.get('chunks', 1)}w{t['num_warps']}"
+
+
+def _fused(x, qw, tile, bias=None, splits=None):
+    return kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, bias, qw.bits, qw.group_size, qw.shape[0], tile=tile,
+                       splits=splits)
+
+
+def _identity_rows(qw, dtype, tile, rows=None):
+    """eye(K)[rows] @ w_hat.T through `tile` in blocks of at most 256 rows: must equal w_hat[:, rows].T."""
+    k = qw.shape[1]
+    eye = torch.eye(k, device=DEV, dtype=dtype)
+    if rows is not None:
+        eye = eye[rows]
+    return torch.cat([_fused(eye[m0 : m0 + 256], qw, tile) for m0 in range(0, eye.shape[0], 256)])
+
+
+def _scales_16bit(n, dtype):
+    """One scale per column, values of dtype: 1, 1/2, random significands over 18 binades and (float16)
+    a subnormal scale and one whose products land in subnormals."""
+    s = torch.ldexp(1 + torch.rand(n), torch.randint(-12, 6, (n,))).to(dtype)
+    s[0], s[1] = 1.0, 0.5
+    if dtype == FP16:
+        s[2] = 3 * 2.0**-24
+        s[3] = 2.0**-14 + 2.0**-24
+    return s.view(1, n).to(DEV)
+
+
+@pytest.mark.parametrize("bits,dtype", PACKED_KINDS, ids=["w4-bf16", "w4-fp16", "w8-fp16"])
+def test_packed_converter_exhaustive_gpu(bits, dtype, convert_spy):
+    per, top = 32 // bits, 2**bits
+    k = max(1, top // 16) * 16 * per
+    kk = torch.arange(k, device=DEV)
+    code = ((kk // (16 * per)) * 16 + kk % 16) % top  # every code at every field of every pair
+    assert torch.unique(code * per + (kk % (16 * per)) // 16).numel() == top * per
+    n = top + 1
+    u = code.to(torch.int32).expand(n, k).contiguous()
+    zeros = torch.arange(n, dtype=torch.int32, device=DEV).view(1, n)
+    scales = _scales_16bit(n, dtype)
+    cases = [(QuantizedWeight.from_codes(u, scales, zeros, bits, -1),
+              ref.dequantize_weight(u.cpu(), scales.cpu(), zeros.cpu(), -1, dtype)),
+             (QuantizedWeight.from_codes(u[:5].contiguous(), scales[:, :5].contiguous(), None, bits, -1),
+              ref.dequantize_weight(u[:5].cpu(), scales[:, :5].cpu(), torch.full((1, 5), top // 2), -1, dtype))]
+    for qw, want in cases:
+        assert qw.scales.dtype == dtype
+        for tile in _packed_tiles():
+            got = _identity_rows(qw, dtype, tile)
+            assert_bitwise_equal(got.t().contiguous().cpu(), want)
+    assert convert_spy.converts and set(convert_spy.converts) == {kw._CONVERTS["packed"]}
+
+
+PACKED_SCHEMES = [(128, True), (32, False), (64, False), (-1, True)]  # group sizes vs the chunk, both zero kinds
+PACKED_TILES = _packed_tiles()
+
+
+@pytest.mark.parametrize("tile", PACKED_TILES, ids=_tile_label)
+@pytest.mark.parametrize("bits,dtype", PACKED_KINDS, ids=["w4-bf16", "w4-fp16", "w8-fp16"])
+def test_packed_gemm_equals_inplace_and_reference_gpu(bits, dtype, tile, convert_spy):
+    """Per (kind, tile) one scheme and one K, rotating over the tiles so that each kind meets every scheme
+    and both K (not the full cross product: each case compiles its own kernels)."""
+    ti = PACKED_TILES.index(tile)
+    n, k = 257, (200, 4096)[ti % 2]
+    group, sym = PACKED_SCHEMES[ti % len(PACKED_SCHEMES)]
+    qw = qf.quantize_weight(_weight(n, k), bits=bits, group_size=group, symmetric=sym, scale_dtype=dtype)
+    assert qw.scales.dtype == dtype
+    w_hat = qw.dequantize(dtype)
+    bias = torch.randn(n, device=DEV).to(dtype) if ti % 3 != 1 else None
+    for m in (1, 16, 64):
+        x = torch.randn(m, k, device=DEV).to(dtype)
+        label = f"packed-{_tile_label(tile)}-M{m}-K{k}-w{bits}g{group}{'s' if sym else 'a'}-{str(dtype)[6:]}"
+        y = _fused(x, qw, tile, bias)
+        y_inplace = _fused(x, qw, dict(tile, convert="inplace"), bias)
+        assert torch.equal(y.view(torch.int16), y_inplace.view(torch.int16)), label
+        assert_gemm_within_bound(y, x, w_hat, bias, label)
+    rows = sorted({0, 1, 15, 16, 63, 64, 65, 127, 128, k // 2 + 5, k - 1})
+    got = _identity_rows(qw, dtype, tile, torch.tensor(rows, device=DEV))
+    assert torch.equal(got.view(torch.int16), w_hat[:, rows].t().contiguous().view(torch.int16)), \
+        f"{_tile_label(tile)} identity rows"
+    assert convert_spy.converts.count(kw._CONVERTS["packed"]) == 4
+    assert convert_spy.converts.count(kw._CONVERTS["inplace"]) == 3

@@ -88,6 +88,62 @@ def test_quantize_weight_ranges_and_error(bits, symmetric):
     assert bool(((w_hat - w).abs() <= step * 0.5 + 1e-6).all())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_quantize_weight_16bit_scales(bits, symmetric, scale_dtype):
+    """A 16-bit scale is the float32 one rounded up (the smallest scale_dtype value >= it), the codes are
+    the round-to-nearest codes of that stored scale, and |w - w_hat| <= s / 2 holds with it."""
+    w = torch.randn(33, 264) * torch.exp2(torch.randint(-6, 7, (33, 1)).float())
+    s32 = ref.quantize_weight(w, bits, 64, symmetric)[1]
+    qw = ops.quantize_weight(w, bits=bits, group_size=64, symmetric=symmetric, scale_dtype=scale_dtype)
+    s16 = qw.scales
+    assert s16.dtype == scale_dtype and s16.shape == s32.shape
+    assert bool((s16.float() >= s32).all())
+    below = torch.nextafter(s16, torch.zeros_like(s16)).float()
+    assert bool((below < s32).all())  # the smallest such value
+    assert bool((s16.float() > s32).any())  # the rounding happened (not float32 values in disguise)
+    q_ref, _, z_ref = ref.quantize_weight(w, bits, 64, symmetric, scale_dtype)
+    u = qw.biased_codes()
+    assert torch.equal(u, q_ref + (1 << (bits - 1)) if symmetric else q_ref)
+    # the codes belong to the stored scale: the same grid computed by hand from it
+    sg = s16.float().t().repeat_interleave(64, dim=1)[:, :264]
+    z = qw.zero_points().t().repeat_interleave(64, dim=1)[:, :264]
+    top = 2**bits - 1
+    if symmetric:
+        q_hand = torch.round(w / sg).clamp(-(top + 1) // 2, top // 2) + (1 << (bits - 1))
+    else:
+        q_hand = (torch.round(w / sg) + z).clamp(0, top)
+    assert torch.equal(u, q_hand.to(torch.int32))
+    w_hat = qw.dequantize(torch.float32)
+    assert bool(((w_hat - w).abs() <= sg * 0.5 * (1 + 2.0**-20)).all())
+    for dtype in (torch.float16, torch.bfloat16):
+        with ops.backend("reference"):
+            expected = qw.dequantize(dtype)
+        assert_bitwise_equal(expected, ref.dequantize_weight(u, s16, qw.zero_points(), 64, dtype))
+        with ops.backend("triton"):
+            assert_bitwise_equal(qw.dequantize(dtype), expected)
+
+
+def test_quantize_weight_scale_dtype_errors():
+    w = torch.randn(16, 64)
+    with pytest.raises(TypeError, match="scale_dtype"):
+        ops.quantize_weight(w, scale_dtype="bfloat16")
+    with pytest.raises(ValueError, match="scale_dtype"):
+        ops.quantize_weight(w, scale_dtype=torch.float64)
+    with pytest.raises(ValueError, match="scale_dtype"):
+        ops.quantize_weight(w, scale_dtype=torch.int8)
+    # float16 cannot hold a scale above 65504 (|w| up to 65504 * qmax would still fit)
+    big = torch.full((2, 64), 1e6)
+    with pytest.raises(ValueError, match="scale_dtype"):
+        ops.quantize_weight(big, bits=4, scale_dtype=torch.float16)
+    assert ops.quantize_weight(big, bits=4, scale_dtype=torch.bfloat16).scales.dtype == torch.bfloat16
+    # a tiny weight: the scale rounds up to a float16 subnormal, never to zero
+    tiny = ops.quantize_weight(torch.full((2, 64), 1e-7), bits=4, scale_dtype=torch.float16)
+    assert bool((tiny.scales > 0).all())
+    assert bool((tiny.dequantize(torch.float32) - 1e-7).abs().max() <= tiny.scales.float().max() / 2)
+
+
 # ---------------------------------------------------------------------------------------------------
 # packed layout
 # ---------------------------------------------------------------------------------------------------
@@ -135,6 +191,64 @@ def test_converter_exhaustive_codes_and_zero_points(bits, dtype, triton_backend)
     # the symmetric (implicit zero point 2^(bits-1)) path
     sym = QuantizedWeight.from_codes(u[:1], torch.ones(1, 1), None, bits, -1)
     assert_bitwise_equal(sym.dequantize(dtype), (u[:1] - top // 2).to(dtype))
+
+
+def _exhaustive_codes(bits, n):
+    """Biased codes u [n, K]: k = chunk*16*per + 16*i + j holds code (chunk*16 + j) % 2^bits, so every code
+    sits at every field position i (both halves of every packed pair) in every row."""
+    per, top = 32 // bits, 2**bits
+    k = max(1, top // 16) * 16 * per
+    kk = torch.arange(k)
+    code = ((kk // (16 * per)) * 16 + kk % 16) % top
+    fields = (kk % (16 * per)) // 16
+    assert torch.unique(code * per + fields).numel() == top * per
+    return code.to(torch.int32).expand(n, k).contiguous()
+
+
+def _scales_16bit(n, dtype):
+    """One scale per column n, values of `dtype`: 1, powers of two, random significands over many binades
+    and (float16) subnormals, so products round in every way (to even, up, down, into subnormals)."""
+    s = torch.ldexp(1 + torch.rand(n), torch.randint(-12, 6, (n,))).to(dtype)
+    s[0] = 1.0
+    s[1] = 0.5
+    if dtype == torch.float16:
+        s[2] = 3 * 2.0**-24  # subnormal scale
+        s[3] = 2.0**-14 + 2.0**-24  # smallest normal binade: products land in subnormals
+    return s.view(1, n)
+
+
+@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (4, torch.float16), (8, torch.float16)])
+def test_packed_converter_exhaustive_codes_zero_points_scales(bits, dtype, monkeypatch):
+    """The packed conversion (16-bit pairs, scales in x's dtype) through the fused GEMM on identity rows:
+    every code at every field (both halves of every pair), every zero point 0 .. 2^bits, and 16-bit scales
+    of every kind, against the reference's round(dtype, float32(u - z) * s), bit for bit."""
+    top = 2**bits
+    n = top + 1
+    u = _exhaustive_codes(bits, n)
+    k = u.shape[1]
+    zeros = torch.arange(n, dtype=torch.int32).view(1, n)
+    scales = _scales_16bit(n, dtype)
+    expected = ref.dequantize_weight(u, scales, zeros, -1, dtype)
+    tile = dict(block_m=64, block_n=64, num_warps=4, num_stages=2, programs_per_sm=1, chunks=2, convert="packed")
+    calls = []
+    real = kw._wo_mm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(kwargs["CONVERT"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(kw, "_wo_mm_kernel", Spy())
+    for qw, want in ((QuantizedWeight.from_codes(u, scales, zeros, bits, -1), expected),
+                     (QuantizedWeight.from_codes(u[:3], scales[:, :3], None, bits, -1),  # implicit 2^(bits-1)
+                      ref.dequantize_weight(u[:3], scales[:, :3], torch.full((1, 3), top // 2), -1, dtype))):
+        assert qw.scales.dtype == dtype
+        eye = torch.eye(k, dtype=dtype)
+        got = kw.fused_mm(eye, qw.qweight, qw.scales, qw.zeros, None, bits, -1, qw.shape[0], tile=tile, splits=1)
+        assert_bitwise_equal(got.t().contiguous(), want)
+    assert calls == [kw._CONVERTS["packed"]] * 2
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -341,6 +455,35 @@ def test_from_compressed_tensors_bit_exact(bits, symmetric):
         assert_bitwise_equal(qw.dequantize(dtype), expected.to(dtype))
 
 
+def test_loader_scale_dtype():
+    """Loaders widen scales to float32 by default (exact); scale_dtype=None keeps the checkpoint's dtype
+    (float16 GPTQ scales: the packed path for float16 activations), a 16-bit dtype only if exact."""
+    k, n, gs = 256, 16, 128
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    z = torch.randint(0, 16, (2, n), dtype=torch.int32)
+    s = (torch.rand(2, n) * 0.1 + 0.01).half()
+    qweight, qzeros = _pack_loop(q.t(), 4, 0), _pack_loop(z, 4, 1)
+    default = QuantizedWeight.from_gptq(qweight, qzeros, s, checkpoint_format="gptq_v2")
+    kept = QuantizedWeight.from_gptq(qweight, qzeros, s, checkpoint_format="gptq_v2", scale_dtype=None)
+    assert default.scales.dtype == torch.float32 and kept.scales.dtype == torch.float16
+    assert torch.equal(kept.scales.float(), default.scales)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert_bitwise_equal(kept.dequantize(dtype), default.dequantize(dtype))
+    x = torch.randn(3, k).half()
+    with ops.backend("triton"):
+        assert torch.equal(ops.weight_only_mm(x, kept), ops.weight_only_mm(x, default))
+    # bfloat16 cannot hold these float16 scales (11-bit significands): refused, not rounded
+    with pytest.raises(ValueError, match="scale_dtype"):
+        QuantizedWeight.from_gptq(qweight, qzeros, s, checkpoint_format="gptq_v2", scale_dtype=torch.bfloat16)
+    # float16 scales that happen to be bfloat16 values convert exactly
+    s_bf = s.bfloat16().half()
+    qw_bf = QuantizedWeight.from_gptq(qweight, qzeros, s_bf, checkpoint_format="gptq_v2", scale_dtype=torch.bfloat16)
+    assert qw_bf.scales.dtype == torch.bfloat16 and torch.equal(qw_bf.scales.float(), s_bf.float().view(2, n))
+    with pytest.raises(TypeError, match="scale_dtype"):
+        QuantizedWeight.from_awq(_pack_loop(q.t(), 4, 1, [0, 2, 4, 6, 1, 3, 5, 7])[:, :2],
+                                 _pack_loop(z, 4, 1, [0, 2, 4, 6, 1, 3, 5, 7])[:, :2], s, scale_dtype="half")
+
+
 def test_loader_per_channel_and_bad_g_idx():
     k, n = 64, 16
     q = torch.randint(0, 16, (n, k), dtype=torch.int32)
@@ -393,3 +536,6 @@ def test_bad_arguments():
         ops.weight_only_mm(torch.randn(2, 64).half(), qw, torch.randn(15).half())
     with pytest.raises(TypeError, match="bias"):
         ops.weight_only_mm(torch.randn(2, 64).half(), qw, torch.randn(16))
+    bad_scales = QuantizedWeight(qw.qweight, qw.scales.double(), qw.zeros, qw.bits, qw.group_size, qw.shape)
+    with pytest.raises(TypeError, match="qw: expected scales"):
+        ops.weight_only_mm(torch.randn(2, 64).half(), bad_scales)

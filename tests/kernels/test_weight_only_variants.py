@@ -53,13 +53,13 @@ def tile_id(t):
 # ---------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------
-def make_qw(n, k, bits, group, symmetric, device="cpu"):
+def make_qw(n, k, bits, group, symmetric, device="cpu", scale_dtype=torch.float32):
     """Weights with a random power-of-two magnitude per 64-column block, so that a wrong group (scale)
     or zero point shows up far above the bound."""
     w = torch.randn(n, k, device=device)
     mag = torch.exp2(torch.randint(-4, 5, (1, -(-k // 64)), device=device).float())
     w = w * mag.repeat_interleave(64, dim=1)[:, :k]
-    return ops.quantize_weight(w, bits=bits, group_size=group, symmetric=symmetric)
+    return ops.quantize_weight(w, bits=bits, group_size=group, symmetric=symmetric, scale_dtype=scale_dtype)
 
 
 def ulp(v, dtype):
@@ -257,6 +257,97 @@ def test_nan_in_x_stays_in_its_row():
         got = run(bad, qw, t, 3)
         assert torch.equal(got[0], clean[0]) and torch.equal(got[2], clean[2])
         assert bool(torch.isnan(got[1]).all())
+
+
+# ---------------------------------------------------------------------------------------------------
+# the packed conversion (convert="packed": two weights per 16-bit pair instruction, scales in x's dtype)
+# ---------------------------------------------------------------------------------------------------
+def run_spied(monkeypatch, x, qw, t, splits, bias=None):
+    """fused_mm with tile t, and the CONVERT it launched with."""
+    name = "_wo_gemv_kernel" if t["kernel"] == "gemv" else "_wo_mm_kernel"
+    spy = Spy(getattr(kw, name))
+    monkeypatch.setattr(kw, name, spy)
+    out = run(x, qw, t, splits, bias)
+    monkeypatch.undo()
+    assert len(spy.calls) == 1
+    return out, spy.calls[0]["CONVERT"]
+
+
+# (variant, M, K, N, bits, group, symmetric, dtype, splits, bias): int4 in both dtypes, int8 in float16; every
+# group size relation to the 128-code int4 / 64-code int8 chunk (g32: a pair's fields in groups p // 2 and
+# p // 2 + 2; g64: two groups per chunk; g128, g256 (a group over two chunks), per channel); partial last
+# chunk (K = 200) and group; chunks 1 / 2 / 4 with masked tail chunks; split-K
+PACKED_CASES = [
+    (tile(block_n=32, chunks=1, convert="packed"), 3, 200, 100, 4, 32, False, BF16, 2, True),
+    (tile(block_n=64, chunks=2, convert="packed"), 5, 1024, 257, 4, 64, True, F16, 3, False),  # 3, 3, 2 chunks
+    (tile(block_n=16, chunks=4, convert="packed", num_warps=1), 2, 200, 257, 4, 128, False, BF16, 1, False),
+    (tile(block_m=32, block_n=64, chunks=1, convert="packed"), 1, 192, 100, 4, -1, True, F16, 2, True),
+    (tile(block_n=64, chunks=4, convert="packed"), 2, 1024, 100, 4, 256, False, BF16, 3, False),
+    (tile(block_n=32, chunks=2, convert="packed"), 3, 192, 257, 8, 32, False, F16, 2, True),  # 3 chunks: 2 + 1
+    (tile(block_n=64, chunks=1, convert="packed"), 5, 200, 100, 8, -1, True, F16, 3, False),
+    (tile(block_n=16, chunks=4, convert="packed", num_warps=2), 2, 1024, 257, 8, 128, False, F16, 3, False),
+    (tile(block_n=32, chunks=1, convert="packed"), 2, 200, 100, 4, 64, False, F16, 1, False),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", PACKED_CASES, ids=_case_id)
+def test_packed_gemm_bitwise_equals_inplace(case, monkeypatch):
+    """Same products in the same order, same w_hat: the packed tile's output equals the in-place tile's bit
+    for bit (x random, so a misplaced field, group, zero point or scale changes the sums), and it is within
+    the fp32-reference bound above."""
+    t, m, k, n, bits, group, sym, dtype, splits, has_bias = case
+    qw = make_qw(n, k, bits, group, sym, scale_dtype=dtype)
+    assert qw.scales.dtype == dtype
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n).to(dtype) if has_bias else None
+    out, convert = run_spied(monkeypatch, x, qw, t, splits, bias)
+    assert convert == kw._CONVERTS["packed"]
+    ref_out, ref_convert = run_spied(monkeypatch, x, qw, dict(t, convert="inplace"), splits, bias)
+    assert ref_convert == kw._CONVERTS["inplace"]
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16)), _case_id(case)
+    assert_close_to_ref(out, x, qw.dequantize(dtype), bias, _case_id(case))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bits,group,dtype,splits", [(4, 32, BF16, 3), (4, 64, F16, 1), (8, 32, F16, 2)])
+def test_packed_identity_rows_exact(bits, group, dtype, splits):
+    """out[m, n] = w_hat[n, k_m] bit for bit through packed tiles (chunks 1 and 2), asymmetric, K = 200."""
+    k, n = 200, 40
+    qw = make_qw(n, k, bits, group, symmetric=False, scale_dtype=dtype)
+    chunk = 16 * (32 // bits)
+    ks = [0, 17, 16 * (32 // bits // 2) + 3, chunk - 1, chunk + 5, 199]  # low and high fields of a pair
+    x = torch.zeros(len(ks), k, dtype=dtype)
+    x[torch.arange(len(ks)), torch.tensor(ks)] = 1
+    want = qw.dequantize(dtype)[:, ks].t().contiguous()
+    for t in (tile(block_n=16, chunks=1, convert="packed"), tile(block_n=32, chunks=2, convert="packed")):
+        got = run(x, qw, t, splits)
+        diff = got.view(torch.int16) != want.view(torch.int16)
+        assert not bool(diff.any()), f"{tile_id(t)}: {int(diff.sum())} differ, first {torch.nonzero(diff)[:4].tolist()}"
+
+
+@pytest.mark.parametrize("x_dtype,scale_dtype,bits,kernel,expected", [
+    (BF16, BF16, 4, "mma", "packed"),
+    (F16, F16, 4, "mma", "packed"),
+    (F16, F16, 8, "mma", "packed"),
+    (BF16, BF16, 8, "mma", "inplace"),  # 128 + u is not exact in bfloat16 for u >= 128
+    (BF16, torch.float32, 4, "mma", "inplace"),  # a float32 scale: the 16-bit product would round it
+    (F16, BF16, 4, "mma", "inplace"),  # scales of another dtype
+    (BF16, F16, 4, "mma", "inplace"),
+    (BF16, BF16, 4, "gemv", "inplace"),  # the GEMV kernel has no packed path
+])
+def test_packed_dispatch_and_fallback(x_dtype, scale_dtype, bits, kernel, expected, monkeypatch):
+    """convert="packed" launches CONVERT 2 exactly where `packed_applies` (and on the mma kernel), else the
+    in-place conversion, with the same results as asking for "inplace" directly."""
+    assert kw.packed_applies(x_dtype, scale_dtype, bits) == (expected == "packed" or kernel == "gemv")
+    qw = make_qw(24, 128, bits, 64, symmetric=False, scale_dtype=scale_dtype)
+    x = torch.randn(2, 128).to(x_dtype)
+    t = tile(kernel, block_m=2 if kernel == "gemv" else 16, block_n=16, convert="packed")
+    out, convert = run_spied(monkeypatch, x, qw, t, 1)
+    assert convert == kw._CONVERTS[expected]
+    ref_out, _ = run_spied(monkeypatch, x, qw, dict(t, convert="inplace"), 1)
+    assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -31,6 +31,23 @@ Kernels:
 - Both take CONVERT (tile key `convert`): "shift" (above) or "inplace" (`_field_minus_zero`: the field is
   OR-ed where it lies into a power of two whose mantissa LSB has its weight; no shift for most fields);
   both give the exact u - z, hence the same w_hat bit for bit.
+- "packed" (CONVERT 2, `_wo_mm_kernel` only; `_pair_convert`): two weights per 32-bit register in packed
+  16-bit arithmetic, in x's dtype. Fields p and p + F/2 (F = 32 / bits fields per word) sit at bits
+  bits*p and 16 + bits*p, so after one shift of the word, `(v & MASK) | MAGIC2` (MASK 0x000F000F for
+  int4, 0x00FF00FF for int8; MAGIC2 0x43004300 in bfloat16, 0x64006400 in float16) is the pair
+  (MAGIC + u_lo, MAGIC + u_hi), MAGIC = 128 in bfloat16 (7 mantissa bits: exact for u < 128) or 1024 in
+  float16 (exact for u < 1024). An HFMA2 by 1.0 adds the pair -(MAGIC + z) (exact: u - z, small
+  integers) and an HFMA2 with -0.0 added multiplies by the pair of scales, rounding once: LOP3 + 2 HFMA2
+  (ptxas: HADD2 + HMUL2 on sm_90) per two weights, plus a PRMT or so regrouping them into the MMA
+  operand, instead of LOP3 + FADD + FMUL per weight and an F2FP per two. Each half takes the zero point
+  and scale of its own field's group (fields p and p + F/2 fall in different groups when group_size is
+  less than a chunk), packed once per group. Exact, and equal to the float32 path bit for bit, only
+  when the scales are values of x's dtype (then float32 (u - z) * s is exact and both round it once to
+  x's dtype) and MAGIC + u and MAGIC + z are exact (int4: either dtype; int8: float16 only; zero points
+  0 .. 2^bits): `packed_applies`. Elsewhere (and in the GEMV kernel) a "packed" tile runs "inplace".
+  Under the interpreter, which cannot run PTX, the same packed operands go through a float32 twin (exact
+  up to the one rounding), so the CPU tests check which field and group land where and the GPU tests
+  check the PTX.
 - `_dequant_kernel` writes w_hat [N, K] (for `QuantizedWeight.dequantize` and for large M, where
   dequantize-once + cuBLAS can beat the fused kernel; the crossover is data in `_DISPATCH`).
 Launchers assume the arguments were validated by `quantfuse.ops`.
@@ -62,21 +79,35 @@ def chunk_codes(bits: int) -> int:
 # Launch configurations, keyed by architecture. Each entry: rows M up to `max_m` use this tile.
 # `programs_per_sm`: split-K target (decode). cublas_min_m: from this M on, dequantize once + cuBLAS.
 # `chunks`: chunks of 16 words per K-loop iteration; `kernel`: "mma" (tensor cores) or "gemv" (no tensor
-# cores, block_m <= 4); `convert`: "shift" or "inplace" (same w_hat). The sm90 rows up to M = 64 are the
+# cores, block_m <= 4); `convert`: "shift", "inplace" or "packed" (same w_hat; "packed" where
+# `packed_applies`, else "inplace"). The sm90 rows up to M = 64 are the
 # winners of benchmarks/tune_weight_only.py on the H100 (W4A16 g128, five Llama-3 shapes, CUDA graphs;
 # geometric-mean speedup over the previous table 1.37x at M=1, 1.40x at 4, 1.38x at 16, 1.42x at 32,
-# 1.34x at 64); "gemv" never won a shape there. The catch-all row (M 65..cublas_min_m) was not swept.
+# 1.34x at 64); "gemv" never won a shape there. Every row says "packed": it runs where the scales are
+# 16-bit values of x's dtype and falls back to "inplace" elsewhere. Measured on the H100
+# (tune_weight_only_packed.json vs tune_weight_only_m64_m128.json / weight_only.json): with bfloat16
+# scales "packed" beats "inplace" by 1.3-1.6x at every M (16-bit scale loads slow "inplace" down), but
+# against float32 scales + "inplace" it gains only 2-5% at M <= 16 and loses 10-30% at M = 32..128, so
+# the quantize_ configs keep float32 scales unless asked (scale_dtype).
 _DISPATCH = {
     "sm90": {
         "tiles": [
             dict(max_m=16, block_m=16, block_n=128, num_warps=4, num_stages=3, programs_per_sm=4,
-                 chunks=1, kernel="mma", convert="inplace"),
+                 chunks=1, kernel="mma", convert="packed"),
             dict(max_m=32, block_m=32, block_n=128, num_warps=4, num_stages=3, programs_per_sm=2,
-                 chunks=1, kernel="mma", convert="inplace"),
-            dict(max_m=64, block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=1,
-                 chunks=2, kernel="mma", convert="inplace"),
-            dict(max_m=1 << 62, block_m=64, block_n=128, num_warps=8, num_stages=3, programs_per_sm=1,
-                 chunks=1, kernel="mma", convert="shift"),
+                 chunks=1, kernel="mma", convert="packed"),
+            # one chunk, 4 stages, 2 programs per SM (tune_weight_only_packed.json, bfloat16 scales:
+            # 8192x10240 56.9 us vs 92.5 for the earlier 2-chunk, 3-stage, 1-program tile; 28672x8192
+            # 127.6 vs 157.5; with float32 scales tune_weight_only_m64_m128.json: 28672x8192 111.2 vs 128.5)
+            dict(max_m=64, block_m=64, block_n=128, num_warps=4, num_stages=4, programs_per_sm=2,
+                 chunks=1, kernel="mma", convert="packed"),
+            # M 65..128 and the catch-all up to cublas_min_m: one 128-row block dequantizes each weight tile
+            # once (tune_weight_only_m64_m128.json, M=128: 1.73x the previous 64x128 catch-all, geomean of
+            # five shapes; 8192x10240 73.7 us vs 152)
+            dict(max_m=128, block_m=128, block_n=256, num_warps=8, num_stages=3, programs_per_sm=1,
+                 chunks=1, kernel="mma", convert="packed"),
+            dict(max_m=1 << 62, block_m=128, block_n=256, num_warps=8, num_stages=3, programs_per_sm=1,
+                 chunks=1, kernel="mma", convert="packed"),
         ],
         "cublas_min_m": 256,
         # the last program of a tile reduces the split-K partials up to this M (H100, CUDA graphs: Llama-3-8B
@@ -122,7 +153,8 @@ def _group_params(s_ptr, z_ptr, k_start, group_size, num_groups, N, offs_n, n_ma
                   HAS_ZERO: tl.constexpr, BITS: tl.constexpr):
     """Scale [BLOCK_N] and 2^23 + zero point [BLOCK_N] of the group holding k_start."""
     g = tl.minimum(k_start // group_size, num_groups - 1)
-    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)
+    # scales may be stored as float16 / bfloat16 (then exactly representable): widening is exact
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if HAS_ZERO:
         z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
     else:
@@ -162,6 +194,137 @@ def _dequant_field(words, words_hi, field_mask, I: tl.constexpr, BITS: tl.conste
     else:
         d = _codes_minus_zero(words, I * BITS, (1 << BITS) - 1, zm)
     return cast_to(d * s, DTYPE, INTERPRET)
+
+
+def _pair_asm(mask: int, magic: int, one: int, ty: str) -> str:
+    """PTX of `_pair_convert`: $2 = the (shifted) word, $3 = the pair -(MAGIC + z), $4 = the pair of
+    scales; $0 / $1 = w_hat of the low / high half.
+
+    fma.rn by 1.0 adds and fma.rn with -0.0 added multiplies: the same values as add.rn / mul.rn (adding
+    -0.0 leaves every product, a signed zero included, unchanged), but the .bf16x2 fma assembles for
+    sm_80 too, where add/sub/mul.bf16x2 need sm_90 (ptxas makes them HADD2 / HMUL2 there)."""
+    return ("{\n.reg .b32 t, one, mz;\n"
+            f"mov.b32 one, {one:#010x};\n"
+            "mov.b32 mz, 0x80008000;\n"
+            f"lop3.b32 t, $2, {mask:#010x}, {magic:#010x}, 0xEA;\n"  # (a & b) | c
+            f"fma.rn.{ty} t, t, one, $3;\n"
+            f"fma.rn.{ty} t, t, $4, mz;\n"
+            "mov.b32 {$0, $1}, t;\n"
+            "}")
+
+
+_PAIR_ASM_BF16_INT4 = tl.constexpr(_pair_asm(0x000F000F, 0x43004300, 0x3F803F80, "bf16x2"))
+_PAIR_ASM_F16_INT4 = tl.constexpr(_pair_asm(0x000F000F, 0x64006400, 0x3C003C00, "f16x2"))
+_PAIR_ASM_F16_INT8 = tl.constexpr(_pair_asm(0x00FF00FF, 0x64006400, 0x3C003C00, "f16x2"))
+
+
+@triton.jit
+def _half_params(s_ptr, z_ptr, k_start, group_size, num_groups, N, offs_n, n_mask,
+                 HAS_ZERO: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """The DTYPE bit patterns of -(MAGIC + z) and of s for the group holding k_start, each in the low 16
+    bits of an int32. MAGIC = 128 (bfloat16) or 1024 (float16), the value the magic OR of
+    `_pair_convert` adds to a code. Integer arithmetic only, on purpose: -(MAGIC + z) is the bit pattern
+    of -MAGIC plus z (z < 2^7 / 2^10 only fills the mantissa), and the scales, DTYPE values already (the
+    launcher checks scales.dtype == x.dtype), are loaded as their int16 bits. Float conversions or
+    bitcasts here stop Triton from giving the whole chain the MMA operand's register layout (measured
+    offline for sm90: the weights then take a round trip through shared memory)."""
+    g = tl.minimum(k_start // group_size, num_groups - 1)
+    s = tl.load(s_ptr.to(tl.pointer_type(tl.int16)) + g * N + offs_n, mask=n_mask, other=0).to(tl.int32)
+    if HAS_ZERO:
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0)
+    else:
+        z = tl.full(s.shape, 2 ** (BITS - 1), tl.int32)
+    if DTYPE == tl.bfloat16:
+        nz = 0xC300 + z  # bfloat16 -128.0
+    else:
+        nz = 0xE400 + z  # float16 -1024.0
+    return nz, s
+
+
+@triton.jit
+def _pair_params(s_ptr, z_ptr, k_lo, k_hi, group_size, num_groups, N, offs_n, n_mask,
+                 HAS_ZERO: tl.constexpr, BITS: tl.constexpr, SAME_GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    """Packed 16-bit pairs for `_pair_convert`: nz = (-(MAGIC + z_lo), -(MAGIC + z_hi)) and ss = (s_lo, s_hi),
+    low half for the field at k_lo, high half for the one at k_hi (different groups when a group is
+    shorter than a chunk; SAME_GROUP: the launcher knows they share one and the second load is skipped)."""
+    nz_lo, s_lo = _half_params(s_ptr, z_ptr, k_lo, group_size, num_groups, N, offs_n, n_mask, HAS_ZERO, BITS, DTYPE)
+    if SAME_GROUP:
+        nz_hi = nz_lo
+        s_hi = s_lo
+    else:
+        nz_hi, s_hi = _half_params(s_ptr, z_ptr, k_hi, group_size, num_groups, N, offs_n, n_mask, HAS_ZERO, BITS,
+                                   DTYPE)
+    return (nz_lo & 0xFFFF) | (nz_hi << 16), (s_lo & 0xFFFF) | (s_hi << 16)
+
+
+@triton.jit
+def _lane(bits, DTYPE: tl.constexpr):
+    """The low 16 bits of an int32 read as a DTYPE value, widened (exactly) to float32."""
+    return (bits & 0xFFFF).to(tl.uint16).to(DTYPE, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _pair_convert(v, nz, ss, BITS: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """w_hat of the two fields at bits 0..BITS-1 (lo) and 16..16+BITS-1 (hi) of v, in DTYPE, with
+    packed 16-bit arithmetic ("packed" conversion): t = (v & MASK) | (MAGIC, MAGIC) is the DTYPE pair
+    (MAGIC + u_lo, MAGIC + u_hi), exact (u < 2^7 below MAGIC = 128 for bfloat16, u < 2^10 below 1024 for
+    float16); t + nz = (u - z) exactly (small integers); then one rounding of (u - z) * s, which is the
+    reference's round(DTYPE, float32(u - z) * s) because s is a DTYPE value, so that float32 product of
+    a <= 9-bit integer and an 8- / 11-bit significand is exact. Three instructions (LOP3, HFMA2, HFMA2)
+    per two weights. The interpreter cannot run PTX: there the twin does the same arithmetic on the same
+    packed operands in float32 (exact up to the one rounding), so the CPU tests check the pair and group
+    bookkeeping bit for bit and the GPU tests the PTX."""
+    if INTERPRET:
+        MASK: tl.constexpr = (1 << BITS) - 1
+        if DTYPE == tl.bfloat16:
+            t = (v & (MASK | (MASK << 16))) | 0x43004300
+        else:
+            t = (v & (MASK | (MASK << 16))) | 0x64006400
+        lo = cast_to((_lane(t, DTYPE) + _lane(nz, DTYPE)) * _lane(ss, DTYPE), DTYPE, INTERPRET)
+        hi = cast_to((_lane(t >> 16, DTYPE) + _lane(nz >> 16, DTYPE)) * _lane(ss >> 16, DTYPE), DTYPE, INTERPRET)
+    else:
+        if DTYPE == tl.bfloat16:
+            lo, hi = tl.inline_asm_elementwise(_PAIR_ASM_BF16_INT4, "=h,=h,r,r,r", [v, nz, ss],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        elif BITS == 4:
+            lo, hi = tl.inline_asm_elementwise(_PAIR_ASM_F16_INT4, "=h,=h,r,r,r", [v, nz, ss],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_PAIR_ASM_F16_INT8, "=h,=h,r,r,r", [v, nz, ss],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return lo, hi
+
+
+@triton.jit
+def _packed_params(s_ptr, z_ptr, k_base, P: tl.constexpr, cc, c_end, group_size, num_groups, N, offs_n, n_mask,
+                   HAS_ZERO: tl.constexpr, BITS: tl.constexpr, SAME_GROUP: tl.constexpr, CHUNK: tl.constexpr,
+                   CHUNKS: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    """`_pair_params` of fields P and P + HALF of each of the iteration's chunks, [BLOCK_N, CHUNKS, 1].
+    Loaded as [BLOCK_N, CHUNKS] and expanded, not as [BLOCK_N, CHUNKS, 1] like the words: then Triton
+    gives the whole conversion the MMA operand's register layout (sm90 compile: otherwise the weights
+    take a round trip through shared memory). Chunks past the split's end get scale 0."""
+    ci2 = tl.arange(0, CHUNKS)[None, :]
+    if CHUNKS == 1:
+        valid2 = n_mask[:, None]
+    else:
+        valid2 = n_mask[:, None] & (cc + ci2 < c_end)
+    k_lo = k_base + ci2 * CHUNK + 16 * P
+    nz, ss = _pair_params(s_ptr, z_ptr, k_lo, k_lo + 16 * HALF, group_size, num_groups, N, offs_n[:, None], valid2,
+                          HAS_ZERO, BITS, SAME_GROUP, DTYPE)
+    return nz[:, :, None], ss[:, :, None]
+
+
+@triton.jit
+def _field_dot(acc, w, x_cols, k, k_end, m_mask, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """acc + w [BLOCK_N, CHUNKS, 16] (one field of each chunk) @ x^T at the k offsets of its dot rows."""
+    xt = tl.load(x_cols + k[:, None], mask=(k[:, None] < k_end) & m_mask[None, :], other=0.0)
+    w = tl.reshape(w, [BLOCK_N, 16 * CHUNKS])
+    if INTERPRET:
+        # The interpreter's dot mishandles bfloat16 operands; float32 of the same values is exact.
+        return acc + tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+    else:
+        return acc + tl.dot(w, xt)
 
 
 @triton.jit
@@ -226,6 +389,7 @@ def _wo_mm_kernel(
     instead of wgmma."""
     FIELDS: tl.constexpr = 32 // BITS
     CHUNK: tl.constexpr = 16 * FIELDS
+    HALF: tl.constexpr = FIELDS // 2
     pid_s = tl.program_id(1)
     offs_n, n_mask, ci, j3, n3, w_tile, c_begin, c_end, k_end = _split_words(
         w_ptr, N, K, chunks_per_split, stride_wn, BITS, BLOCK_N, CHUNKS)
@@ -244,20 +408,46 @@ def _wo_mm_kernel(
     for cc in range(c_begin, c_end, CHUNKS):
         valid, words, words_hi = _load_words(w_tile, cc, ci, nm3, c_end, CHUNKS, CONVERT)
         k_base = cc * CHUNK
-        for i in tl.static_range(FIELDS):
-            if i % GROUP_FIELDS == 0:
-                # group of each chunk's field i (a group may end inside a chunk: GROUP_FIELDS < FIELDS)
-                s, zm = _group_params(s_ptr, z_ptr, k_base + ci * CHUNK + 16 * i, group_size, num_groups, N,
-                                      n3, valid, HAS_ZERO, BITS)
-            k = k_base + 16 * i + r_k
-            xt = tl.load(x_cols + k[:, None], mask=(k[:, None] < k_end) & m_mask[None, :], other=0.0)
-            w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET)
-            w = tl.reshape(w, [BLOCK_N, 16 * CHUNKS])
-            if INTERPRET:
-                # The interpreter's dot mishandles bfloat16 operands; float32 of the same values is exact.
-                acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(w, xt)
+        if CONVERT == 2:
+            # Fields p and p + HALF sit at bits BITS*p and 16 + BITS*p: one shift and one packed conversion
+            # per pair. The products go in field order (the low fields' now, the high fields' after them),
+            # the accumulation order of the one-field conversions: the same output bit for bit.
+            tl.static_assert(GROUP_FIELDS >= 2, "packed conversion: a group spans at least two fields")
+            nz, ss = _packed_params(s_ptr, z_ptr, k_base, 0, cc, c_end, group_size, num_groups, N, offs_n, n_mask,
+                                    HAS_ZERO, BITS, GROUP_FIELDS == FIELDS, CHUNK, CHUNKS, HALF, x_dtype)
+            w0, w_h0 = _pair_convert(words, nz, ss, BITS, x_dtype, INTERPRET)
+            acc = _field_dot(acc, w0, x_cols, k_base + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
+            w1, w_h1 = _pair_convert(words >> BITS, nz, ss, BITS, x_dtype, INTERPRET)
+            acc = _field_dot(acc, w1, x_cols, k_base + 16 + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
+            if HALF == 4:
+                if GROUP_FIELDS == 2:  # fields 2 and 6 start the next groups
+                    nz, ss = _packed_params(s_ptr, z_ptr, k_base, 2, cc, c_end, group_size, num_groups, N, offs_n,
+                                            n_mask, HAS_ZERO, BITS, False, CHUNK, CHUNKS, HALF, x_dtype)
+                w2, w_h2 = _pair_convert(words >> (2 * BITS), nz, ss, BITS, x_dtype, INTERPRET)
+                acc = _field_dot(acc, w2, x_cols, k_base + 16 * 2 + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
+                w3, w_h3 = _pair_convert(words >> (3 * BITS), nz, ss, BITS, x_dtype, INTERPRET)
+                acc = _field_dot(acc, w3, x_cols, k_base + 16 * 3 + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
+            acc = _field_dot(acc, w_h0, x_cols, k_base + 16 * HALF + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
+            acc = _field_dot(acc, w_h1, x_cols, k_base + 16 * (HALF + 1) + r_k, k_end, m_mask, BLOCK_N, CHUNKS,
+                             INTERPRET)
+            if HALF == 4:
+                acc = _field_dot(acc, w_h2, x_cols, k_base + 16 * 6 + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
+                acc = _field_dot(acc, w_h3, x_cols, k_base + 16 * 7 + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
+        else:
+            for i in tl.static_range(FIELDS):
+                if i % GROUP_FIELDS == 0:
+                    # group of each chunk's field i (a group may end inside a chunk: GROUP_FIELDS < FIELDS)
+                    s, zm = _group_params(s_ptr, z_ptr, k_base + ci * CHUNK + 16 * i, group_size, num_groups, N,
+                                          n3, valid, HAS_ZERO, BITS)
+                k = k_base + 16 * i + r_k
+                xt = tl.load(x_cols + k[:, None], mask=(k[:, None] < k_end) & m_mask[None, :], other=0.0)
+                w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET)
+                w = tl.reshape(w, [BLOCK_N, 16 * CHUNKS])
+                if INTERPRET:
+                    # The interpreter's dot mishandles bfloat16 operands; float32 of the same values is exact.
+                    acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(w, xt)
 
     # int64 row offsets: M * N can pass 2^31 (e.g. a large-vocabulary head at prefill on the fused path)
     rows64 = offs_m.to(tl.int64)[None, :]
@@ -453,7 +643,23 @@ def pick_tile(m: int, device: torch.device) -> dict:
 
 
 _KERNELS = ("mma", "gemv")
-_CONVERTS = {"shift": 0, "inplace": 1}
+_CONVERTS = {"shift": 0, "inplace": 1, "packed": 2}
+
+
+def packed_applies(x_dtype: torch.dtype, scale_dtype: torch.dtype, bits: int) -> bool:
+    """Whether convert="packed" computes w_hat exactly (`_pair_convert`): the scales are values of the
+    activation dtype (so the 16-bit product rounds once, like the reference), and MAGIC + u is exact in
+    it (int4 in bfloat16 or float16, int8 in float16 only: 128 + u needs 9 bits past bfloat16's 8)."""
+    return scale_dtype == x_dtype and (bits == 4 or x_dtype == torch.float16)
+
+
+def _convert_code(tile: dict, x_dtype: torch.dtype, scale_dtype: torch.dtype, bits: int, mma: bool) -> int:
+    """CONVERT of a launch: the tile's conversion, except that "packed" runs only on the tensor-core
+    kernel and where `packed_applies`; elsewhere it falls back to "inplace" (the same w_hat)."""
+    convert = tile.get("convert", "shift")
+    if convert == "packed" and not (mma and packed_applies(x_dtype, scale_dtype, bits)):
+        convert = "inplace"
+    return _CONVERTS[convert]
 
 
 def check_tile(tile: dict) -> None:
@@ -516,9 +722,10 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     tile: a `_DISPATCH` entry (default: `pick_tile(M)`); keys block_m, block_n, num_warps, num_stages,
     programs_per_sm, and optionally chunks (chunks of 16 words per K-loop iteration, default 1),
     kernel ("mma": tensor cores, `_wo_mm_kernel`, default; "gemv": `_wo_gemv_kernel`, block_m <= 4) and
-    convert ("shift", default, or "inplace": the same w_hat with fewer instructions). splits: force the
-    number of K splits (rounded so every split has the same whole number of chunks, the last possibly
-    fewer)."""
+    convert ("shift", default, "inplace" or "packed": the same w_hat with fewer instructions; "packed" runs
+    on the mma kernel where `packed_applies(x.dtype, scales.dtype, bits)`, else as "inplace"). splits:
+    force the number of K splits (rounded so every split has the same whole number of chunks, the last
+    possibly fewer)."""
     m, k = x2d.shape
     if tile is None:
         tile = pick_tile(m, x2d.device)  # the shipped table (checked by the tests, not on every call)
@@ -549,7 +756,7 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
         chunks_per_split, (1 << bits) - 1, splits, x2d.stride(0), qweight.stride(0), out.stride(0),
         BITS=bits, GROUP_FIELDS=_group_fields(group_size, k, bits), HAS_ZERO=zeros is not None,
         HAS_BIAS=has_bias, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKS=chunks,
-        CONVERT=_CONVERTS[tile.get("convert", "shift")], INTERPRET=INTERPRET,
+        CONVERT=_convert_code(tile, x2d.dtype, scales.dtype, bits, kernel is _wo_mm_kernel), INTERPRET=INTERPRET,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **extra,
     )
     if split and not fused:
