@@ -30,6 +30,37 @@ TILES = [(bn, bk, st, split) for bn, bk, st, split in itertools.product((32, 64,
          if bn * bk * st <= 128 * 256 * 4]
 
 
+def rowwise_input_sets(dtype: str, m: int, k: int, n: int, count: int):
+    """`count` sets of (a [m, k], b = w.t() [k, n], per-token scales [m, 1], per-channel scales [n], bf16
+    bias) with random codes ("fp8": e4m3 of N(0, 60^2); "int8": uniform codes), for scaled_mm and its peer."""
+    qdtype = torch.float8_e4m3fn if dtype == "fp8" else torch.int8
+    sets = []
+    for _ in range(count):
+        if dtype == "fp8":
+            a = (torch.randn(m, k, device="cuda") * 60).to(qdtype)
+            w = (torch.randn(n, k, device="cuda") * 60).to(qdtype)
+        else:
+            a = torch.randint(-128, 128, (m, k), dtype=qdtype, device="cuda")
+            w = torch.randint(-128, 128, (n, k), dtype=qdtype, device="cuda")
+        sa = torch.rand(m, 1, device="cuda") * 1e-3 + 1e-4
+        sb = torch.rand(n, device="cuda") * 1e-3 + 1e-4
+        bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+        sets.append((a, w.t(), sa, sb, bias))
+    return sets
+
+
+def rowwise_peer(dtype: str):
+    """torch's path for the same product: fp8 torch._scaled_mm (rowwise scales, bias); int8 torch._int_mm
+    plus the epilogue in torch."""
+    if dtype == "fp8":
+        def peer(a, b, sa, sb, bias):
+            return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb.view(1, -1), bias=bias, out_dtype=torch.bfloat16)
+    else:
+        def peer(a, b, sa, sb, bias):
+            return (torch._int_mm(a, b).float().mul_(sa).mul_(sb).add_(bias)).to(torch.bfloat16)
+    return peer
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true")
@@ -51,29 +82,9 @@ def main(argv=None):
     rows = []
     for dtype in DTYPES:
         for m, k, n in SHAPES:
-            qdtype = torch.float8_e4m3fn if dtype == "fp8" else torch.int8
-            sets = []
-            for _ in range(rotation_count(k * n)):
-                if dtype == "fp8":
-                    a = (torch.randn(m, k, device="cuda") * 60).to(qdtype)
-                    w = (torch.randn(n, k, device="cuda") * 60).to(qdtype)
-                else:
-                    a = torch.randint(-128, 128, (m, k), dtype=qdtype, device="cuda")
-                    w = torch.randint(-128, 128, (n, k), dtype=qdtype, device="cuda")
-                sa = torch.rand(m, 1, device="cuda") * 1e-3 + 1e-4
-                sb = torch.rand(n, device="cuda") * 1e-3 + 1e-4
-                bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-                sets.append((a, w.t(), sa, sb, bias))
-
-            if dtype == "fp8":
-                def peer(a, b, sa, sb, bias):
-                    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb.view(1, -1), bias=bias,
-                                            out_dtype=torch.bfloat16)
-            else:
-                def peer(a, b, sa, sb, bias):
-                    return (torch._int_mm(a, b).float().mul_(sa).mul_(sb).add_(bias)).to(torch.bfloat16)
+            sets = rowwise_input_sets(dtype, m, k, n, rotation_count(k * n))
             try:
-                peer_ms = time_ms(peer, sets, graph=True, warmup=10, rep=40)
+                peer_ms = time_ms(rowwise_peer(dtype), sets, graph=True, warmup=10, rep=40)
             except Exception as err:  # noqa: BLE001 -- e.g. _int_mm refusing M=1
                 print(f"peer {dtype} {m}x{k}x{n} failed: {type(err).__name__}", flush=True)
                 peer_ms = float("nan")

@@ -48,6 +48,7 @@ def main(argv=None):
         return
 
     from common import rotation_count, time_ms, write_result
+    from tune_scaled_mm_decode import rowwise_input_sets, rowwise_peer
 
     from quantfuse.kernels import scaled_mm as kmm
 
@@ -57,35 +58,16 @@ def main(argv=None):
         for dtype in DTYPES:
             if time.perf_counter() - t0 > BUDGET_S:
                 break
-            qdtype = torch.float8_e4m3fn if dtype == "fp8" else torch.int8
-            sets, lin_sets = [], []
-            for _ in range(rotation_count(k * n + m * k)):
-                if dtype == "fp8":
-                    a = (torch.randn(m, k, device="cuda") * 60).to(qdtype)
-                    w = (torch.randn(n, k, device="cuda") * 60).to(qdtype)
-                else:
-                    a = torch.randint(-128, 128, (m, k), dtype=qdtype, device="cuda")
-                    w = torch.randint(-128, 128, (n, k), dtype=qdtype, device="cuda")
-                sa = torch.rand(m, 1, device="cuda") * 1e-3 + 1e-4
-                sb = torch.rand(n, device="cuda") * 1e-3 + 1e-4
-                bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-                sets.append((a, w.t(), sa, sb, bias))
-            if dtype == "fp8":
-                def peer(a, b, sa, sb, bias):
-                    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb.view(1, -1), bias=bias,
-                                            out_dtype=torch.bfloat16)
-            else:
-                def peer(a, b, sa, sb, bias):
-                    return (torch._int_mm(a, b).float().mul_(sa).mul_(sb).add_(bias)).to(torch.bfloat16)
-            peer_ms = time_ms(peer, sets, graph=True, warmup=10, rep=40)
+            sets = rowwise_input_sets(dtype, m, k, n, rotation_count(k * n + m * k))
+            peer_ms = time_ms(rowwise_peer(dtype), sets, graph=True, warmup=10, rep=40)
             bf16_ms = float("nan")
             if dtype == "fp8":  # once per shape
-                for _ in range(rotation_count(2 * (k * n + m * k))):
-                    lin_sets.append((torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
-                                     torch.randn(n, k, device="cuda", dtype=torch.bfloat16),
-                                     torch.randn(n, device="cuda", dtype=torch.bfloat16)))
+                lin_sets = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                             torch.randn(n, k, device="cuda", dtype=torch.bfloat16),
+                             torch.randn(n, device="cuda", dtype=torch.bfloat16))
+                            for _ in range(rotation_count(2 * (k * n + m * k)))]
                 bf16_ms = time_ms(torch.nn.functional.linear, lin_sets, graph=True, warmup=10, rep=40)
-                lin_sets.clear()
+                del lin_sets
 
             def ours(cfg):
                 return lambda a, b, sa, sb, bias: kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, bias, None, None,

@@ -439,15 +439,8 @@ def _wo_mm_kernel(
                     # group of each chunk's field i (a group may end inside a chunk: GROUP_FIELDS < FIELDS)
                     s, zm = _group_params(s_ptr, z_ptr, k_base + ci * CHUNK + 16 * i, group_size, num_groups, N,
                                           n3, valid, HAS_ZERO, BITS)
-                k = k_base + 16 * i + r_k
-                xt = tl.load(x_cols + k[:, None], mask=(k[:, None] < k_end) & m_mask[None, :], other=0.0)
                 w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET)
-                w = tl.reshape(w, [BLOCK_N, 16 * CHUNKS])
-                if INTERPRET:
-                    # The interpreter's dot mishandles bfloat16 operands; float32 of the same values is exact.
-                    acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-                else:
-                    acc += tl.dot(w, xt)
+                acc = _field_dot(acc, w, x_cols, k_base + 16 * i + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
 
     # int64 row offsets: M * N can pass 2^31 (e.g. a large-vocabulary head at prefill on the fused path)
     rows64 = offs_m.to(tl.int64)[None, :]
