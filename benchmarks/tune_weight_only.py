@@ -9,8 +9,8 @@ bench_weight_only.py), the shipped dispatch (quantfuse.weight_only_mm), and cand
 - kernel "mma" (tensor cores): block_n {16, 32, 64, 128} x chunks {1, 2, 4} x num_warps {2, 4, 8} (plus 1 for
   block_n <= 32, where more warps only replicate the dequantization) x num_stages {2, 3, 4} x programs_per_sm
   {1, 2, 4, 8}, convert "inplace" and "shift"; block_m = the next power of two >= M, at least 16;
-- kernel "gemv" (M <= 4 only, block_m = M): block_n {16, 32, 64} x chunks {1, 2, 4} x warps {2, 4, 8} x
-  stages {2, 3, 4}.
+- kernel "gemv" (M <= 4 only, block_m = M): block_n {32, 64, 128, 256} x chunks {1, 2, 4} x scale
+  {"before", "auto"} x warps {2, 4, 8} x stages {2, 3, 4}.
 Pruning, to stay under 8 minutes on an H100 (TUNE_BUDGET_S, default 450, stops early and writes what it has):
   stage 1: every (kernel, block_n, chunks) at a default warps / stages / programs_per_sm, convert "inplace";
   stage 2: the two best of stage 1 (per shape) x warps x stages;
@@ -47,7 +47,7 @@ SHAPES = [(4096, 6144), (4096, 14336), (14336, 4096), (8192, 10240), (28672, 819
 MS = [int(v) for v in os.environ.get("TUNE_MS", "1,4,16,32,64").split(",")]
 GROUP = 128
 BLOCK_NS = (16, 32, 64, 128)
-GEMV_BLOCK_NS = (16, 32, 64)
+GEMV_BLOCK_NS = (32, 64, 128, 256)
 CHUNKS = (1, 2, 4)
 WARPS = (1, 2, 4, 8)
 STAGES = (2, 3, 4)
@@ -87,7 +87,8 @@ def cand(kernel, m, block_n, chunks, num_warps, num_stages, ppsm, convert="inpla
 
 def key(c: dict) -> str:
     return (f"{c['kernel']} m{c['block_m']} n{c['block_n']} c{c['chunks']} {c['convert']} w{c['num_warps']} "
-            f"s{c['num_stages']} p{c['programs_per_sm']}")
+            f"s{c['num_stages']} p{c['programs_per_sm']}"
+            + (f" {c['scale']}" if c.get("scale", "before") != "before" else ""))
 
 
 def stage1(m: int):
@@ -106,6 +107,8 @@ def stage1(m: int):
     if m <= 4:
         for bn, ch in itertools.product(GEMV_BLOCK_NS, CHUNKS):
             out.append(cand("gemv", m, bn, ch, 2 if bn == 16 else 4, 3, default_ppsm(m)))
+            # the scale after the sums (exact u - z, no per-weight multiply or rounding)
+            out.append(dict(cand("gemv", m, bn, ch, 2 if bn == 16 else 4, 3, default_ppsm(m)), scale="auto"))
     return out
 
 
@@ -482,25 +485,45 @@ def suggest(rows):
 
 
 def from_table(m: int):
-    """--from-table: the shipped sm90 tile for M with convert inplace / packed and half / double its
-    programs_per_sm, plus (M >= 64) the M = 64 runners-up of the last sweep at a few programs_per_sm."""
+    """--from-table: the shipped sm90 tile for M with the scale applied before (inplace: the previous
+    kernel) and after the dot (packed / inplace), the after-packed one at half / double its programs_per_sm,
+    more stages and (M <= 32) block_n 256, plus (M >= 64) the M = 64 runners-up of an earlier sweep."""
     from quantfuse.kernels import weight_only as kw
 
     base = next(t for t in kw._DISPATCH["sm90"]["tiles"] if m <= t["max_m"])
     base = {k: v for k, v in base.items() if k != "max_m"}
     p = base["programs_per_sm"]
-    out = [dict(base, convert=cv, programs_per_sm=pp) for cv in ("packed", "inplace")
-           for pp in sorted({max(1, p // 2), p, 2 * p})]
+    after = dict(base, convert="packed", scale="after")
+    out = [dict(base, convert="inplace", scale="before"), dict(base, convert="packed", scale="before"),
+           dict(after, convert="inplace"), after]
+    out += [dict(after, programs_per_sm=pp) for pp in sorted({max(1, p // 2), 2 * p} - {p})]
+    out += [dict(after, num_stages=st) for st in (base["num_stages"] + 1, base["num_stages"] + 2)]
+    if m <= 32:
+        out += [dict(after, block_n=256, num_warps=w) for w in (4, 8)]
     if m >= 64 and base["block_m"] <= 64:
-        for extra in (dict(block_n=64, chunks=2, num_warps=4, num_stages=3), dict(block_n=128, chunks=1, num_warps=4, num_stages=4)):
-            out += [dict(base, **extra, convert="packed", programs_per_sm=pp) for pp in (1, 2, 4)]
+        out += [dict(after, block_n=64, num_warps=4, num_stages=3, programs_per_sm=pp) for pp in (1, 2, 4)]
     return dedupe(out)
 
 
-def sweep(workers: int, table_only: bool = False):
+def from_list(m: int, tiles):
+    """--candidates FILE: the tiles of a JSON list (block_m defaults to the M's mma block, or M for gemv)."""
+    out = []
+    for t in tiles:
+        t = dict(t)
+        t.setdefault("block_m", mma_block_m(m) if t.get("kernel", "mma") == "mma" else m)
+        if t.get("kernel") == "gemv" and m > 4:
+            continue
+        out.append(t)
+    return dedupe(out)
+
+
+def sweep(workers: int, table_only: bool = False, tiles=None):
     sw = Sweep(workers)
     try:
-        s1 = {(m, k, n): (from_table(m) if table_only else stage1(m)) for m in MS for (k, n) in SHAPES}
+        if tiles is not None:
+            table_only = True
+        s1 = {(m, k, n): (from_list(m, tiles) if tiles is not None else from_table(m) if table_only else stage1(m))
+              for m in MS for (k, n) in SHAPES}
         r1 = sw.run_stage("stage 1", s1)
         if table_only:
             r1 = {}
@@ -540,7 +563,7 @@ def sweep(workers: int, table_only: bool = False):
     print("        \"tiles\": [")
     for m, cfg, score, cover in table:
         cfg = {k: cfg[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm", "chunks",
-                                   "kernel", "convert")}
+                                   "kernel", "convert", "scale") if k in cfg}
         print(f"            dict(max_m={m}, " + ", ".join(f"{k}={v!r}" for k, v in cfg.items())
               + f"),  # {score:.2f}x shipped over {cover} shapes")
     print("            # ... keep the catch-all (max_m=1 << 62) entry of the shipped table\n        ],")
@@ -568,6 +591,8 @@ def main():
                     help="developer check of this script's logic on CPU (interpreter, tiny shapes, no timings)")
     ap.add_argument("--from-table", action="store_true",
                     help="time only the shipped tiles' convert / programs_per_sm variants (see from_table)")
+    ap.add_argument("--candidates", metavar="FILE",
+                    help="time only the tiles of this JSON list (keys of a _DISPATCH tile; block_m optional)")
     ap.add_argument("--workers", type=int, default=min(12, max(0, (os.cpu_count() or 1) - 2)),
                     help="compile worker processes (0: compile in the timed process)")
     args = ap.parse_args()
@@ -587,7 +612,11 @@ def main():
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (use --dry-run or --census without one)")
         return
-    sweep(args.workers, args.from_table)
+    tiles = None
+    if args.candidates:
+        with open(args.candidates) as f:
+            tiles = json.load(f)
+    sweep(args.workers, args.from_table, tiles)
 
 
 if __name__ == "__main__":

@@ -648,7 +648,11 @@ def quantize_weight(w: Tensor, bits: int = 4, group_size: int = 128, symmetric: 
 
 def weight_only_mm(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None) -> Tensor:
     """x [..., K] (float16 / bfloat16) @ w_hat.T (+ bias [N]) with w_hat = qw.dequantize(x.dtype):
-    float32 accumulation, one rounding to x.dtype. Returns [..., N]."""
+    float32 accumulation, one rounding to x.dtype. Returns [..., N].
+
+    Kernels may apply each group's scale to the float32 sum of x times the exact integers u - z instead of
+    rounding every weight to w_hat first (on the H100 the M = 1 GEMV does): that is x @ W.T with the
+    unrounded W = (u - z) * s, within one rounding per weight of x @ w_hat.T."""
     check_tensor("x", x, (torch.float16, torch.bfloat16), ndim_min=1)
     check_last_dim_contiguous("x", x)
     if not isinstance(qw, QuantizedWeight):

@@ -11,12 +11,14 @@ What is checked:
 - (b) The GEMM against the float32 reference ref = x.float() @ w_hat.float().T (+ bias), with
   w_hat = qw.dequantize(x.dtype) and TF32 off. Stated bound, per output element:
 
-      |y - ref| <= 2^-7  * ((|x| @ |w_hat|.T) + |bias|)             for bfloat16
-      |y - ref| <= 2^-10 * ((|x| @ |w_hat|.T) + |bias|) + 2^-24     for float16 (2^-24: fp16 subnormal spacing)
+      |y - ref| <= (2^-7  + 2^-14) * ((|x| @ |w_hat|.T) + |bias|)             for bfloat16
+      |y - ref| <= (2^-10 + 2^-17) * ((|x| @ |w_hat|.T) + |bias|) + 2^-24     for float16 (2^-24: fp16 subnormal spacing)
 
-  i.e. one rounding of the output (2^-8 / 2^-11 relative, and |ref| <= |x| @ |w_hat|) plus room for the
-  float32 tensor-core accumulation (and, for M >= cublas_min_m, cuBLAS's reduced-precision split-K
-  reduction, which torch allows by default for bf16/fp16). Each test prints the worst err / bound and, for
+  i.e. one rounding of the output (u = 2^-8 / 2^-11 relative, and |ref| <= |x| @ |w_hat|), one rounding of
+  each weight (the tiles with the scale after the sums, the shipped M = 1 GEMV among them, multiply by the
+  unrounded (u - z) * s, at most u |w_hat| (1 + u) from w_hat), plus room for the float32 accumulation (and,
+  for M >= cublas_min_m, cuBLAS's reduced-precision split-K reduction, which torch allows by default for
+  bf16/fp16). Each test prints the worst err / bound and, for
   information only, the worst err / (u |ref| + 2^-20 |x| @ |w_hat|), the tighter bound the CPU
   (interpreter) tests assert. The weights have a random power-of-two magnitude per 128-column block, so
   a wrong group index or zero point would blow the bound by orders of magnitude.
@@ -38,6 +40,12 @@ What is checked:
   of (b) against the float32 reference, and identity rows equal to w_hat. Launches are checked to have
   run CONVERT 2.
 
+- (e) The scale after the sums (tile scale "after" / "auto": exact u - z times x, each group's float32
+  sum scaled): the shipped M = 1 GEMV tile and a tensor-core "after" tile, int4 / int8, every group size
+  kind, bf16 / fp16, float32 and 16-bit scales, against the product with the unrounded weights
+  W = (u - z) * s (float32): |y - x @ W.T| <= u |x @ W.T| + 2^-20 |x| @ |W|.T (one output rounding), a bound
+  the w_hat-rounding tiles do not meet; and identity rows at M = 1 equal to w_hat bit for bit.
+
 Set $OUT to also get weight_only_gpu_bounds.json with every case's worst ratios.
 """
 
@@ -57,7 +65,7 @@ pytestmark = pytest.mark.gpu
 
 BF16, FP16 = torch.bfloat16, torch.float16
 DEV = "cuda"
-REL = {BF16: 2.0**-7, FP16: 2.0**-10}
+REL = {BF16: 2.0**-7 + 2.0**-14, FP16: 2.0**-10 + 2.0**-17}
 ABS = {BF16: 0.0, FP16: 2.0**-24}
 UNIT = {BF16: 2.0**-8, FP16: 2.0**-11}
 
@@ -453,8 +461,8 @@ def convert_spy(monkeypatch):
 
 
 def _packed_tiles():
-    """Every shipped sm90 tile with convert="packed", an mma.sync tile (block_n 32) and a chunks=4 tile."""
-    tiles = [dict(t, convert="packed") for t in kw._DISPATCH["sm90"]["tiles"]]
+    """Every shipped sm90 tensor-core tile with convert="packed", an mma.sync tile (block_n 32) and a chunks=4 tile."""
+    tiles = [dict(t, convert="packed") for t in kw._DISPATCH["sm90"]["tiles"] if t.get("kernel", "mma") == "mma"]
     tiles.append(dict(max_m=64, block_m=16, block_n=32, num_warps=2, num_stages=3, programs_per_sm=2, chunks=1,
                       kernel="mma", convert="packed"))
     tiles.append(dict(max_m=64, block_m=32, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, chunks=4,
@@ -543,3 +551,48 @@ def test_packed_gemm_equals_inplace_and_reference_gpu(bits, dtype, tile, convert
         f"{_tile_label(tile)} identity rows"
     assert convert_spy.converts.count(kw._CONVERTS["packed"]) == 4
     assert convert_spy.converts.count(kw._CONVERTS["inplace"]) == 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# (e) the scale after the sums (tile scale "after" / "auto")
+# ---------------------------------------------------------------------------------------------------
+SCALE_AFTER_TILES = [
+    next(t for t in kw._DISPATCH["sm90"]["tiles"] if t["max_m"] == 1),  # the shipped M = 1 GEMV
+    dict(max_m=16, block_m=16, block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, chunks=1, kernel="mma",
+         convert="packed", scale="after"),
+]
+# (bits, group, symmetric, scale dtype)
+SCALE_AFTER_SCHEMES = [(4, 128, True, torch.float32), (4, 32, False, torch.float32), (8, -1, True, torch.float32),
+                       (4, 64, False, "x"), (8, 128, False, torch.float32), (4, -1, False, "x")]
+
+
+@pytest.mark.parametrize("tile", SCALE_AFTER_TILES, ids=_tile_label)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_scale_after_vs_unrounded_weights_gpu(tile, dtype):
+    assert tile.get("scale") in ("after", "auto")
+    for bits, group, sym, sdt in SCALE_AFTER_SCHEMES:
+        sdt = dtype if sdt == "x" else sdt
+        for k, n in ((4096, 6144), (7392, 257)):
+            qw = qf.quantize_weight(_weight(n, k), bits=bits, group_size=group, symmetric=sym, scale_dtype=sdt)
+            w = qw.dequantize(torch.float32)
+            bias = torch.randn(n, device=DEV).to(dtype)
+            m = 1 if tile["kernel"] == "gemv" else 5
+            x = torch.randn(m, k, device=DEV).to(dtype)
+            y = _fused(x, qw, tile, bias)
+            with _fp32_highest():
+                want = x.float() @ w.t() + bias.float()
+                mag = x.float().abs() @ w.abs().t() + bias.float().abs()
+            err = (y.float() - want).abs()
+            bound = UNIT[dtype] * want.abs() + 2.0**-20 * mag + ABS[dtype] + 1e-30
+            ratio = float((err / bound).max())
+            label = f"after-{_tile_label(tile)}-w{bits}g{group}{'s' if sym else 'a'}-{str(sdt)[6:]}-K{k}-{str(dtype)[6:]}"
+            print(f"{label}: worst err / bound {ratio:.3g}")
+            assert ratio <= 1.0, label
+            ks = [0, 17, 127, 128, k // 2 + 5, k - 1]
+            w_hat = qw.dequantize(dtype)
+            for kk in ks:  # M = 1 identity rows through the tile: w_hat bit for bit
+                e = torch.zeros(1, k, device=DEV, dtype=dtype)
+                e[0, kk] = 1
+                got = _fused(e, qw, tile)
+                assert torch.equal(got[0].view(torch.int16), w_hat[:, kk].contiguous().view(torch.int16)), \
+                    f"{label}: identity row {kk}"

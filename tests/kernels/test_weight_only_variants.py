@@ -41,13 +41,17 @@ F16, BF16 = torch.float16, torch.bfloat16
 RTOL_SUM = 1e-5
 
 
-def tile(kernel="mma", block_m=16, block_n=64, chunks=1, convert="shift", num_warps=4, num_stages=2):
-    return dict(kernel=kernel, block_m=block_m, block_n=block_n, chunks=chunks, convert=convert,
-                num_warps=num_warps, num_stages=num_stages, programs_per_sm=1)
+def tile(kernel="mma", block_m=16, block_n=64, chunks=1, convert="shift", num_warps=4, num_stages=2, scale=None):
+    t = dict(kernel=kernel, block_m=block_m, block_n=block_n, chunks=chunks, convert=convert,
+             num_warps=num_warps, num_stages=num_stages, programs_per_sm=1)
+    if scale is not None:
+        t["scale"] = scale
+    return t
 
 
 def tile_id(t):
-    return f"{t['kernel']}-m{t['block_m']}-n{t['block_n']}-c{t['chunks']}-{t['convert']}"
+    return f"{t['kernel']}-m{t['block_m']}-n{t['block_n']}-c{t['chunks']}-{t['convert']}" + \
+        (f"-{t['scale']}" if "scale" in t else "")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -250,7 +254,9 @@ def test_variant_identity_rows_exact(t):
 def test_nan_in_x_stays_in_its_row():
     qw = make_qw(40, 640, 4, 128, symmetric=True)  # 5 chunks: splits of 2, 2, 1
     x = torch.randn(3, 640).to(BF16)
-    for t in (tile(block_n=32, chunks=4, convert="inplace"), tile("gemv", block_m=2, block_n=32, chunks=2)):
+    for t in (tile(block_n=32, chunks=4, convert="inplace"), tile("gemv", block_m=2, block_n=32, chunks=2),
+              tile("gemv", block_m=2, block_n=32, chunks=2, convert="inplace", scale="auto"),
+              tile(block_n=32, chunks=1, convert="packed", scale="after")):
         clean = run(x, qw, t, 3)
         bad = x.clone()
         bad[1, 300] = float("nan")
@@ -351,6 +357,130 @@ def test_packed_dispatch_and_fallback(x_dtype, scale_dtype, bits, kernel, expect
 
 
 # ---------------------------------------------------------------------------------------------------
+# the scale after the sums (tile scale "after" / "auto"): the kernels multiply exact integers u - z by x
+# and scale each group's float32 sum, i.e. they compute x @ W.T with the unrounded W = (u - z) * s
+# ---------------------------------------------------------------------------------------------------
+def assert_close_to_exact(out, x, qw, bias=None, label=""):
+    """|out - round(dtype, x @ W.T + b)| <= ulp + 1e-5 * (|x| @ |W|.T + |b|), W = (u - z) * s unrounded
+    (float32 product of an integer below 2^9 and a scale: within 2^-24 of exact). The rounded-w_hat bound
+    of `assert_close_to_ref` does not hold here (each weight differs by up to one rounding), and this one
+    fails for kernels that round w_hat: both pin down which product a kernel computes."""
+    assert_close_to_ref(out, x, qw.dequantize(torch.float32), bias, label)
+
+
+# (variant, M, K, N, bits, group, symmetric, dtype, splits, bias, scale dtype, expected SCALE): the GEMV with
+# "auto" (1 per group, 2 per channel) at block_m 1..4 and chunks 1 / 2 / 4 (chunks of one iteration in
+# different groups), the tensor-core kernel with "after" (shift / inplace / packed conversions, packed with
+# float32 scales too) and "auto" (= before there); every group size vs the chunk (g32, g64: groups end inside
+# a chunk; g128; g256: a group over two chunks; per channel), partial last chunk / group (K = 200), split-K
+# (fused reduction) and bias
+SCALE_CASES = [
+    (tile("gemv", block_m=1, block_n=32, chunks=1, convert="inplace", scale="auto"), 1, 200, 100, 4, 128, True, BF16, 3,
+     True, torch.float32, 1),
+    (tile("gemv", block_m=2, block_n=16, chunks=2, convert="shift", scale="auto"), 2, 1024, 257, 4, 32, False, F16, 3,
+     False, torch.float32, 1),
+    (tile("gemv", block_m=3, block_n=64, chunks=4, convert="inplace", scale="auto"), 3, 1024, 100, 8, -1, True, BF16, 2,
+     True, torch.float32, 2),
+    (tile("gemv", block_m=4, block_n=32, chunks=2, convert="inplace", scale="after"), 4, 200, 257, 8, 64, False, F16, 1,
+     False, torch.float16, 1),
+    (tile("gemv", block_m=1, block_n=64, chunks=2, convert="inplace", scale="auto"), 1, 1024, 100, 4, 256, False, BF16,
+     2, False, torch.bfloat16, 1),
+    (tile("gemv", block_m=2, block_n=32, chunks=1, convert="inplace", scale="auto"), 2, 192, 100, 8, 128, False, BF16, 2,
+     True, torch.float32, 1),
+    (tile(block_n=32, chunks=1, convert="packed", scale="after"), 3, 200, 100, 4, 32, False, BF16, 2, True,
+     torch.float32, 1),
+    (tile(block_n=16, chunks=1, convert="inplace", scale="after"), 2, 1024, 257, 4, 64, True, F16, 3, False,
+     torch.float32, 1),
+    (tile(block_n=64, chunks=1, convert="shift", scale="after"), 5, 192, 100, 8, 128, False, BF16, 2, False,
+     torch.float32, 1),
+    (tile(block_n=32, chunks=1, convert="packed", scale="after"), 1, 200, 257, 8, -1, True, F16, 3, True,
+     torch.float32, 2),
+    (tile(block_n=16, chunks=1, convert="packed", scale="after", num_warps=1), 2, 1024, 100, 4, 256, False, F16, 3,
+     False, torch.float16, 1),
+    (tile(block_m=32, block_n=64, chunks=1, convert="packed", scale="after"), 3, 200, 100, 4, -1, False, BF16, 1, True,
+     torch.bfloat16, 2),
+]
+
+
+def _scale_case_id(c):
+    return _case_id(c[:10]) + f"-{str(c[10]).replace('torch.', '')}"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", SCALE_CASES, ids=_scale_case_id)
+def test_scale_after_gemm_vs_unrounded_weights(case, monkeypatch):
+    t, m, k, n, bits, group, sym, dtype, splits, has_bias, scale_dtype, want_scale = case
+    qw = make_qw(n, k, bits, group, sym, scale_dtype=scale_dtype)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n).to(dtype) if has_bias else None
+    name = "_wo_gemv_kernel" if t["kernel"] == "gemv" else "_wo_mm_kernel"
+    spy = Spy(getattr(kw, name))
+    monkeypatch.setattr(kw, name, spy)
+    out = run(x, qw, t, splits, bias)
+    call = spy.calls[0]
+    assert call["SCALE"] == want_scale
+    if t["convert"] == "packed" and (bits == 4 or dtype == F16):
+        assert call["CONVERT"] == kw._CONVERTS["packed"]  # any scale dtype once the scale comes after
+    if splits > 1:
+        assert call["SPLIT"] and call["FUSED_REDUCE"]
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_close_to_exact(out, x, qw, bias, _scale_case_id(case))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("t", [tile("gemv", block_m=1, block_n=32, chunks=2, convert="inplace", scale="auto"),
+                               tile("gemv", block_m=4, block_n=16, chunks=1, convert="shift", scale="after"),
+                               tile(block_n=32, chunks=1, convert="packed", scale="after"),
+                               tile(block_n=16, chunks=1, convert="inplace", scale="after")], ids=tile_id)
+def test_scale_after_identity_rows_exact(t):
+    """One row of eye(K): the sum is the one exact integer u - z, scaled once in float32 and rounded once:
+    w_hat bit for bit, as with the scale first (asymmetric group 32, K = 200, both bits, split-K)."""
+    k, n = 200, 40
+    for bits, dtype, splits in ((4, F16, 3), (8, BF16, 1), (4, BF16, 2)):
+        qw = make_qw(n, k, bits, 32, symmetric=False)
+        chunk = 16 * (32 // bits)
+        ks = [0, 17, chunk - 1, chunk + 16 * (32 // bits - 1) // 2 + 5, 199]
+        rows = 1 if t["kernel"] == "gemv" and t["block_m"] == 1 else len(ks)
+        w_hat = qw.dequantize(dtype)
+        for r0 in range(0, len(ks), rows):
+            sel = ks[r0:r0 + rows]
+            x = torch.zeros(len(sel), k, dtype=dtype)
+            x[torch.arange(len(sel)), torch.tensor(sel)] = 1
+            got = run(x, qw, t, splits)
+            want = w_hat[:, sel].t().contiguous()
+            diff = got.view(torch.int16) != want.view(torch.int16)
+            assert not bool(diff.any()), f"int{bits} rows {sel}: {int(diff.sum())} differ"
+
+
+@pytest.mark.parametrize("scale,kernel,groups,want", [
+    ("before", "gemv", 4, 0), ("before", "mma", 1, 0), (None, "gemv", 1, 0),
+    ("auto", "gemv", 4, 1), ("auto", "gemv", 1, 2), ("auto", "mma", 4, 0), ("auto", "mma", 1, 0),
+    ("after", "mma", 4, 1), ("after", "mma", 1, 2), ("after", "gemv", 4, 1),
+])
+def test_scale_code(scale, kernel, groups, want):
+    t = tile(kernel, block_m=1 if kernel == "gemv" else 16, scale=scale)
+    assert kw._scale_code(t, groups, kernel == "mma") == want
+
+
+@needs_interpreter
+def test_gemv_fused_reduce_equals_reduce_kernel(monkeypatch):
+    """The GEMV's last-program split-K reduction sums the same partials in the same order as the reduce
+    kernel: the same bits, for a block_m that is not a power of two and a partial row block."""
+    qw = make_qw(100, 1024, 4, 128, symmetric=False)
+    x = torch.randn(5, 1024).to(BF16)
+    bias = torch.randn(100).to(BF16)
+    t = tile("gemv", block_m=3, block_n=32, chunks=2, convert="inplace", scale="auto")
+    spy = Spy(kw._wo_gemv_kernel)
+    monkeypatch.setattr(kw, "_wo_gemv_kernel", spy)
+    fused = run(x, qw, t, 3, bias)
+    table = dict(kw._DISPATCH["default"], fused_reduce_max_m=0)
+    monkeypatch.setitem(kw._DISPATCH, "default", table)
+    separate = run(x, qw, t, 3, bias)
+    assert [c["FUSED_REDUCE"] for c in spy.calls] == [True, False]
+    assert torch.equal(fused.view(torch.int16), separate.view(torch.int16))
+
+
+# ---------------------------------------------------------------------------------------------------
 # tile validation and the shipped table
 # ---------------------------------------------------------------------------------------------------
 def test_bad_tiles_raise():
@@ -358,9 +488,12 @@ def test_bad_tiles_raise():
     x = torch.randn(2, 128).to(F16)
     for bad, match in [(dict(tile(), kernel="simt"), "kernel"), (dict(tile(), convert="lut"), "convert"),
                        (dict(tile(), chunks=3), "chunks"), (dict(tile(), block_n=8), "block_n"),
-                       (dict(tile(), block_m=8), "block_m"), (tile("gemv", block_m=8), "block_m")]:
+                       (dict(tile(), block_m=8), "block_m"), (tile("gemv", block_m=8), "block_m"),
+                       (tile(scale="sideways"), "scale"), (tile(chunks=2, scale="after"), "scale")]:
         with pytest.raises(ValueError, match=match):
             run(x, qw, bad, 1)
+    run(x, qw, tile(chunks=2, scale="auto"), 1)  # "auto" is "before" on the tensor-core kernel: any chunks
+    run(x, qw, tile("gemv", block_m=2, chunks=4, scale="after"), 1)  # the GEMV keeps chunks apart
 
 
 def test_shipped_tiles_are_valid():
@@ -384,6 +517,10 @@ GPU_VARIANTS = VARIANTS + [
     tile(block_n=16, chunks=4, convert="inplace", num_warps=1, num_stages=4),
     tile(block_n=32, chunks=4, convert="inplace", num_warps=2, num_stages=4),
     tile("gemv", block_m=1, block_n=64, chunks=4, convert="inplace", num_warps=8, num_stages=3),
+    tile("gemv", block_m=1, block_n=64, chunks=1, convert="inplace", num_stages=2, scale="auto"),
+    tile("gemv", block_m=3, block_n=32, chunks=2, convert="inplace", scale="auto"),
+    tile(block_n=128, chunks=1, convert="packed", scale="after"),
+    tile(block_n=32, chunks=1, convert="inplace", scale="after", num_warps=2),
 ]
 
 
@@ -401,10 +538,13 @@ def test_variant_gpu(t):
         x = torch.randn(m, k, device="cuda").to(dtype)
         bias = torch.randn(n, device="cuda").to(dtype)
         out = run(x, qw, t, splits, bias)
-        assert_close_to_ref(out.cpu(), x.cpu(), w_hat.cpu(), bias.cpu(), f"{tile_id(t)} int{bits} K={k}")
+        check = assert_close_to_exact if t.get("scale", "before") != "before" else assert_close_to_ref
+        check(out.cpu(), x.cpu(), qw.to("cpu") if check is assert_close_to_exact else w_hat.cpu(), bias.cpu(),
+              f"{tile_id(t)} int{bits} K={k}")
         ks = sorted({0, 1, 15, 16, 127, 128, 129, k // 2 + 5, k - 1})
         eye = torch.zeros(len(ks), k, device="cuda", dtype=dtype)
         eye[torch.arange(len(ks)), torch.tensor(ks)] = 1
-        got = run(eye, qw, t, splits)
+        rows = t["block_m"] if t["kernel"] == "gemv" else len(ks)
+        got = torch.cat([run(eye[r:r + rows], qw, t, splits) for r in range(0, len(ks), rows)])
         want = w_hat[:, ks].t().contiguous()
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{tile_id(t)} int{bits}: identity rows"

@@ -26,8 +26,12 @@ Kernels:
   chunks are loaded per K-loop iteration ([BLOCK_N, CHUNKS, 16] words) and each field is one
   [BLOCK_N, 16 * CHUNKS] x [16 * CHUNKS, BLOCK_M] product: fewer, larger loads and MMAs per weight.
   BLOCK_N 16 / 32 give mma.sync on Hopper instead of wgmma.
-- `_wo_gemv_kernel`: the same product without tensor cores for M <= 4 (tile key kernel="gemv"): w_hat
-  (widened to float32) times x broadcast, accumulated elementwise per row, reduced once after the K loop.
+- `_wo_gemv_kernel`: the same product without tensor cores for M <= 4 (tile key kernel="gemv"): the
+  weights (widened to float32) times x broadcast, accumulated elementwise per row, reduced once after the K
+  loop. With the scale after the sums (tile key scale "auto"/"after", the shipped M = 1 tile) it multiplies
+  the exact u - z by x (LOP3 + FADD + FFMA per weight, no per-weight scale multiply or rounding) and scales
+  each group's float32 sum: x @ W.T with the unrounded W = (u - z) * s, within one rounding per weight of
+  x @ w_hat.T (1.3x faster than rounding w_hat first on the H100).
 - Both take CONVERT (tile key `convert`): "shift" (above) or "inplace" (`_field_minus_zero`: the field is
   OR-ed where it lies into a power of two whose mantissa LSB has its weight; no shift for most fields);
   both give the exact u - z, hence the same w_hat bit for bit.
@@ -80,10 +84,12 @@ def chunk_codes(bits: int) -> int:
 # `programs_per_sm`: split-K target (decode). cublas_min_m: from this M on, dequantize once + cuBLAS.
 # `chunks`: chunks of 16 words per K-loop iteration; `kernel`: "mma" (tensor cores) or "gemv" (no tensor
 # cores, block_m <= 4); `convert`: "shift", "inplace" or "packed" (same w_hat; "packed" where
-# `packed_applies`, else "inplace"). The sm90 rows up to M = 64 are the
+# `packed_applies`, else "inplace"); `scale`: "before" (default; the dot takes w_hat), "after" (the dot
+# takes u - z, group sums scaled) or "auto" ("after" on the GEMV kernel only; `_scale_code`). The sm90
+# rows from M = 2 to 64 are the
 # winners of benchmarks/tune_weight_only.py on the H100 (W4A16 g128, five Llama-3 shapes, CUDA graphs;
 # geometric-mean speedup over the previous table 1.37x at M=1, 1.40x at 4, 1.38x at 16, 1.42x at 32,
-# 1.34x at 64); "gemv" never won a shape there. Every row says "packed": it runs where the scales are
+# 1.34x at 64); "gemv" (then rounding w_hat first) never won a shape there. Every tensor-core row says "packed": it runs where the scales are
 # 16-bit values of x's dtype and falls back to "inplace" elsewhere. Measured on the H100
 # (tune_weight_only_packed.json vs tune_weight_only_m64_m128.json / weight_only.json): with bfloat16
 # scales "packed" beats "inplace" by 1.3-1.6x at every M (16-bit scale loads slow "inplace" down), but
@@ -92,22 +98,28 @@ def chunk_codes(bits: int) -> int:
 _DISPATCH = {
     "sm90": {
         "tiles": [
+            # M = 1: the CUDA-core GEMV with the scale after the sums (exact u - z: LOP3 + FADD + FFMA per
+            # weight), 8 programs per SM (tune_weight_only_gemv2.json, W4A16 g128: 1.04-1.21x the tensor-core
+            # tile below on the five shapes, 1.82-2.57x bf16; the same GEMV scaling each weight first: 1.3x
+            # slower, tune_weight_only_krule.json). From M = 2 the tensor-core tiles win.
+            dict(max_m=1, block_m=1, block_n=64, num_warps=4, num_stages=2, programs_per_sm=8, chunks=1,
+                 kernel="gemv", convert="inplace", scale="auto"),
             dict(max_m=16, block_m=16, block_n=128, num_warps=4, num_stages=3, programs_per_sm=4,
-                 chunks=1, kernel="mma", convert="packed"),
+                 chunks=1, kernel="mma", convert="packed", scale="auto"),
             dict(max_m=32, block_m=32, block_n=128, num_warps=4, num_stages=3, programs_per_sm=2,
-                 chunks=1, kernel="mma", convert="packed"),
+                 chunks=1, kernel="mma", convert="packed", scale="auto"),
             # one chunk, 4 stages, 2 programs per SM (tune_weight_only_packed.json, bfloat16 scales:
             # 8192x10240 56.9 us vs 92.5 for the earlier 2-chunk, 3-stage, 1-program tile; 28672x8192
             # 127.6 vs 157.5; with float32 scales tune_weight_only_m64_m128.json: 28672x8192 111.2 vs 128.5)
             dict(max_m=64, block_m=64, block_n=128, num_warps=4, num_stages=4, programs_per_sm=2,
-                 chunks=1, kernel="mma", convert="packed"),
+                 chunks=1, kernel="mma", convert="packed", scale="auto"),
             # M 65..128 and the catch-all up to cublas_min_m: one 128-row block dequantizes each weight tile
             # once (tune_weight_only_m64_m128.json, M=128: 1.73x the previous 64x128 catch-all, geomean of
             # five shapes; 8192x10240 73.7 us vs 152)
             dict(max_m=128, block_m=128, block_n=256, num_warps=8, num_stages=3, programs_per_sm=1,
-                 chunks=1, kernel="mma", convert="packed"),
+                 chunks=1, kernel="mma", convert="packed", scale="auto"),
             dict(max_m=1 << 62, block_m=128, block_n=256, num_warps=8, num_stages=3, programs_per_sm=1,
-                 chunks=1, kernel="mma", convert="packed"),
+                 chunks=1, kernel="mma", convert="packed", scale="auto"),
         ],
         "cublas_min_m": 256,
         # the last program of a tile reduces the split-K partials up to this M (H100, CUDA graphs: Llama-3-8B
@@ -163,6 +175,17 @@ def _group_params(s_ptr, z_ptr, k_start, group_size, num_groups, N, offs_n, n_ma
 
 
 @triton.jit
+def _group_zero(z_ptr, k_start, group_size, num_groups, N, offs_n, n_mask, HAS_ZERO: tl.constexpr, BITS: tl.constexpr):
+    """2^23 + zero point of the group holding k_start (`_group_params` without the scale)."""
+    if HAS_ZERO:
+        g = tl.minimum(k_start // group_size, num_groups - 1)
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+    else:
+        z = tl.full(offs_n.shape, 2 ** (BITS - 1), tl.float32)
+    return z + 8388608.0
+
+
+@triton.jit
 def _field_minus_zero(words, words_hi, field_mask, I: tl.constexpr, BITS: tl.constexpr, zero):
     """Field I of `words` minus its zero point, exact, as float32, with no shift for most fields
     ("inplace" conversion, bit-identical to `_codes_minus_zero`).
@@ -213,23 +236,40 @@ def _pair_asm(mask: int, magic: int, one: int, ty: str) -> str:
             "}")
 
 
+def _pair_sub_asm(mask: int, magic: int, one: int, ty: str) -> str:
+    """PTX of `_pair_minus_zero`: `_pair_asm` without the scaling, $0 / $1 = u - z of the low / high half."""
+    return ("{\n.reg .b32 t, one;\n"
+            f"mov.b32 one, {one:#010x};\n"
+            f"lop3.b32 t, $2, {mask:#010x}, {magic:#010x}, 0xEA;\n"  # (a & b) | c
+            f"fma.rn.{ty} t, t, one, $3;\n"
+            "mov.b32 {$0, $1}, t;\n"
+            "}")
+
+
 _PAIR_ASM_BF16_INT4 = tl.constexpr(_pair_asm(0x000F000F, 0x43004300, 0x3F803F80, "bf16x2"))
 _PAIR_ASM_F16_INT4 = tl.constexpr(_pair_asm(0x000F000F, 0x64006400, 0x3C003C00, "f16x2"))
 _PAIR_ASM_F16_INT8 = tl.constexpr(_pair_asm(0x00FF00FF, 0x64006400, 0x3C003C00, "f16x2"))
+_PAIR_SUB_BF16_INT4 = tl.constexpr(_pair_sub_asm(0x000F000F, 0x43004300, 0x3F803F80, "bf16x2"))
+_PAIR_SUB_F16_INT4 = tl.constexpr(_pair_sub_asm(0x000F000F, 0x64006400, 0x3C003C00, "f16x2"))
+_PAIR_SUB_F16_INT8 = tl.constexpr(_pair_sub_asm(0x00FF00FF, 0x64006400, 0x3C003C00, "f16x2"))
 
 
 @triton.jit
 def _half_params(s_ptr, z_ptr, k_start, group_size, num_groups, N, offs_n, n_mask,
-                 HAS_ZERO: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr):
+                 HAS_ZERO: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr, NEED_SCALE: tl.constexpr):
     """The DTYPE bit patterns of -(MAGIC + z) and of s for the group holding k_start, each in the low 16
     bits of an int32. MAGIC = 128 (bfloat16) or 1024 (float16), the value the magic OR of
     `_pair_convert` adds to a code. Integer arithmetic only, on purpose: -(MAGIC + z) is the bit pattern
     of -MAGIC plus z (z < 2^7 / 2^10 only fills the mantissa), and the scales, DTYPE values already (the
     launcher checks scales.dtype == x.dtype), are loaded as their int16 bits. Float conversions or
     bitcasts here stop Triton from giving the whole chain the MMA operand's register layout (measured
-    offline for sm90: the weights then take a round trip through shared memory)."""
+    offline for sm90: the weights then take a round trip through shared memory). NEED_SCALE False (scale
+    applied after the dot): s is 0 and no scale is loaded."""
     g = tl.minimum(k_start // group_size, num_groups - 1)
-    s = tl.load(s_ptr.to(tl.pointer_type(tl.int16)) + g * N + offs_n, mask=n_mask, other=0).to(tl.int32)
+    if NEED_SCALE:
+        s = tl.load(s_ptr.to(tl.pointer_type(tl.int16)) + g * N + offs_n, mask=n_mask, other=0).to(tl.int32)
+    else:
+        s = tl.zeros(offs_n.shape, tl.int32)
     if HAS_ZERO:
         z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0)
     else:
@@ -243,17 +283,19 @@ def _half_params(s_ptr, z_ptr, k_start, group_size, num_groups, N, offs_n, n_mas
 
 @triton.jit
 def _pair_params(s_ptr, z_ptr, k_lo, k_hi, group_size, num_groups, N, offs_n, n_mask,
-                 HAS_ZERO: tl.constexpr, BITS: tl.constexpr, SAME_GROUP: tl.constexpr, DTYPE: tl.constexpr):
+                 HAS_ZERO: tl.constexpr, BITS: tl.constexpr, SAME_GROUP: tl.constexpr, DTYPE: tl.constexpr,
+                 NEED_SCALE: tl.constexpr):
     """Packed 16-bit pairs for `_pair_convert`: nz = (-(MAGIC + z_lo), -(MAGIC + z_hi)) and ss = (s_lo, s_hi),
     low half for the field at k_lo, high half for the one at k_hi (different groups when a group is
     shorter than a chunk; SAME_GROUP: the launcher knows they share one and the second load is skipped)."""
-    nz_lo, s_lo = _half_params(s_ptr, z_ptr, k_lo, group_size, num_groups, N, offs_n, n_mask, HAS_ZERO, BITS, DTYPE)
+    nz_lo, s_lo = _half_params(s_ptr, z_ptr, k_lo, group_size, num_groups, N, offs_n, n_mask, HAS_ZERO, BITS, DTYPE,
+                               NEED_SCALE)
     if SAME_GROUP:
         nz_hi = nz_lo
         s_hi = s_lo
     else:
         nz_hi, s_hi = _half_params(s_ptr, z_ptr, k_hi, group_size, num_groups, N, offs_n, n_mask, HAS_ZERO, BITS,
-                                   DTYPE)
+                                   DTYPE, NEED_SCALE)
     return (nz_lo & 0xFFFF) | (nz_hi << 16), (s_lo & 0xFFFF) | (s_hi << 16)
 
 
@@ -296,9 +338,35 @@ def _pair_convert(v, nz, ss, BITS: tl.constexpr, DTYPE: tl.constexpr, INTERPRET:
 
 
 @triton.jit
+def _pair_minus_zero(v, nz, BITS: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """u - z of the two fields at bits 0..BITS-1 (lo) and 16..16+BITS-1 (hi) of v, exact, in DTYPE: the
+    first two steps of `_pair_convert` (LOP3 + one HFMA2 per two weights), for kernels that apply the
+    scale after the dot. The interpreter's twin adds the same lanes in float32 (exact)."""
+    if INTERPRET:
+        MASK: tl.constexpr = (1 << BITS) - 1
+        if DTYPE == tl.bfloat16:
+            t = (v & (MASK | (MASK << 16))) | 0x43004300
+        else:
+            t = (v & (MASK | (MASK << 16))) | 0x64006400
+        lo = cast_to(_lane(t, DTYPE) + _lane(nz, DTYPE), DTYPE, INTERPRET)
+        hi = cast_to(_lane(t >> 16, DTYPE) + _lane(nz >> 16, DTYPE), DTYPE, INTERPRET)
+    else:
+        if DTYPE == tl.bfloat16:
+            lo, hi = tl.inline_asm_elementwise(_PAIR_SUB_BF16_INT4, "=h,=h,r,r", [v, nz],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        elif BITS == 4:
+            lo, hi = tl.inline_asm_elementwise(_PAIR_SUB_F16_INT4, "=h,=h,r,r", [v, nz],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_PAIR_SUB_F16_INT8, "=h,=h,r,r", [v, nz],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return lo, hi
+
+
+@triton.jit
 def _packed_params(s_ptr, z_ptr, k_base, P: tl.constexpr, cc, c_end, group_size, num_groups, N, offs_n, n_mask,
                    HAS_ZERO: tl.constexpr, BITS: tl.constexpr, SAME_GROUP: tl.constexpr, CHUNK: tl.constexpr,
-                   CHUNKS: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
+                   CHUNKS: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr, NEED_SCALE: tl.constexpr):
     """`_pair_params` of fields P and P + HALF of each of the iteration's chunks, [BLOCK_N, CHUNKS, 1].
     Loaded as [BLOCK_N, CHUNKS] and expanded, not as [BLOCK_N, CHUNKS, 1] like the words: then Triton
     gives the whole conversion the MMA operand's register layout (sm90 compile: otherwise the weights
@@ -310,7 +378,7 @@ def _packed_params(s_ptr, z_ptr, k_base, P: tl.constexpr, cc, c_end, group_size,
         valid2 = n_mask[:, None] & (cc + ci2 < c_end)
     k_lo = k_base + ci2 * CHUNK + 16 * P
     nz, ss = _pair_params(s_ptr, z_ptr, k_lo, k_lo + 16 * HALF, group_size, num_groups, N, offs_n[:, None], valid2,
-                          HAS_ZERO, BITS, SAME_GROUP, DTYPE)
+                          HAS_ZERO, BITS, SAME_GROUP, DTYPE, NEED_SCALE)
     return nz[:, :, None], ss[:, :, None]
 
 
@@ -325,6 +393,33 @@ def _field_dot(acc, w, x_cols, k, k_end, m_mask, BLOCK_N: tl.constexpr, CHUNKS: 
         return acc + tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
     else:
         return acc + tl.dot(w, xt)
+
+
+@triton.jit
+def _group_scale(s_ptr, k, group_size, num_groups, N, offs_n, n_mask):
+    """The float32 scales [BLOCK_N, 1] of the group holding k (scale-after kernels)."""
+    g = tl.minimum(k // group_size, num_groups - 1)
+    return tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+
+
+@triton.jit
+def _scaled_field_dot(acc, acc_g, w, I: tl.constexpr, GROUP_FIELDS: tl.constexpr, SCALE: tl.constexpr,
+                      x_cols, k_base, r_k, k_end, m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask,
+                      BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """Field I's exact u - z tile w [BLOCK_N, 1, 16] times x, scale applied after the dot (SCALE 1: the
+    group's partial sum acc_g, restarted at the group's first field, is scaled into acc after its last;
+    SCALE 2, one group for all of K: acc stays unscaled, the caller scales once at the end)."""
+    k = k_base + 16 * I + r_k
+    if SCALE == 2:
+        acc = _field_dot(acc, w, x_cols, k, k_end, m_mask, BLOCK_N, 1, INTERPRET)
+    else:
+        if I % GROUP_FIELDS == 0:
+            acc_g = _field_dot(tl.zeros_like(acc_g), w, x_cols, k, k_end, m_mask, BLOCK_N, 1, INTERPRET)
+        else:
+            acc_g = _field_dot(acc_g, w, x_cols, k, k_end, m_mask, BLOCK_N, 1, INTERPRET)
+        if I % GROUP_FIELDS == GROUP_FIELDS - 1:
+            acc += acc_g * _group_scale(s_ptr, k_base + 16 * I, group_size, num_groups, N, offs_n, n_mask)
+    return acc, acc_g
 
 
 @triton.jit
@@ -371,9 +466,16 @@ def _wo_mm_kernel(
     stride_xm, stride_wn, stride_om,
     BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNKS: tl.constexpr, CONVERT: tl.constexpr, INTERPRET: tl.constexpr,
+    CHUNKS: tl.constexpr, CONVERT: tl.constexpr, SCALE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * w_hat[n, k] (+ bias[n]), fp32 accumulation, computed as out^T tiles.
+
+    SCALE 0 ("before"): each weight is rounded to w_hat in x's dtype before its product, as the reference.
+    SCALE 1 / 2 ("after", CHUNKS 1 only): the dot takes the exact integers u - z (exact in x's dtype) and
+    each group's float32 partial sum is multiplied by its scale (1), or, with one group for all of K
+    (per channel), the whole sum once at the end (2): sum_g s_g * sum_{k in g} x_k (u_k - z_g), the
+    product with the unrounded dequantized weight, which differs from x @ w_hat.T by at most one rounding
+    of each weight (u |x| @ |w_hat|.T) and drops the per-weight scale multiply and its rounding.
 
     Grid (n blocks, K splits, m blocks). SPLIT: write float32 partials [splits, M, N]; with FUSED_REDUCE
     the program of each output tile that finishes last (an acq_rel counter per tile in count_ptr, reset by
@@ -405,16 +507,64 @@ def _wo_mm_kernel(
     x_dtype = x_ptr.dtype.element_ty
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # the current group's unscaled sum (SCALE 1)
+    if SCALE != 0:
+        tl.static_assert(CHUNKS == 1, "scale after the dot: one chunk per iteration (one group per field)")
     for cc in range(c_begin, c_end, CHUNKS):
         valid, words, words_hi = _load_words(w_tile, cc, ci, nm3, c_end, CHUNKS, CONVERT)
         k_base = cc * CHUNK
-        if CONVERT == 2:
+        if SCALE != 0 and CONVERT == 2:
+            # exact u - z pairs (LOP3 + HFMA2 per two weights), dots in field order as below
+            tl.static_assert(GROUP_FIELDS >= 2, "packed conversion: a group spans at least two fields")
+            nz, _ = _packed_params(s_ptr, z_ptr, k_base, 0, cc, c_end, group_size, num_groups, N, offs_n, n_mask,
+                                   HAS_ZERO, BITS, GROUP_FIELDS == FIELDS, CHUNK, CHUNKS, HALF, x_dtype, False)
+            w0, w_h0 = _pair_minus_zero(words, nz, BITS, x_dtype, INTERPRET)
+            acc, acc_g = _scaled_field_dot(acc, acc_g, w0, 0, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end, m_mask,
+                                           s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N, INTERPRET)
+            w1, w_h1 = _pair_minus_zero(words >> BITS, nz, BITS, x_dtype, INTERPRET)
+            acc, acc_g = _scaled_field_dot(acc, acc_g, w1, 1, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end, m_mask,
+                                           s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N, INTERPRET)
+            if HALF == 4:
+                if GROUP_FIELDS == 2:  # fields 2 and 6 start the next groups
+                    nz, _ = _packed_params(s_ptr, z_ptr, k_base, 2, cc, c_end, group_size, num_groups, N, offs_n,
+                                           n_mask, HAS_ZERO, BITS, False, CHUNK, CHUNKS, HALF, x_dtype, False)
+                w2, w_h2 = _pair_minus_zero(words >> (2 * BITS), nz, BITS, x_dtype, INTERPRET)
+                acc, acc_g = _scaled_field_dot(acc, acc_g, w2, 2, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
+                                               m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N,
+                                               INTERPRET)
+                w3, w_h3 = _pair_minus_zero(words >> (3 * BITS), nz, BITS, x_dtype, INTERPRET)
+                acc, acc_g = _scaled_field_dot(acc, acc_g, w3, 3, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
+                                               m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N,
+                                               INTERPRET)
+            acc, acc_g = _scaled_field_dot(acc, acc_g, w_h0, HALF, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
+                                           m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N, INTERPRET)
+            acc, acc_g = _scaled_field_dot(acc, acc_g, w_h1, HALF + 1, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
+                                           m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N, INTERPRET)
+            if HALF == 4:
+                acc, acc_g = _scaled_field_dot(acc, acc_g, w_h2, 6, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
+                                               m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N,
+                                               INTERPRET)
+                acc, acc_g = _scaled_field_dot(acc, acc_g, w_h3, 7, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
+                                               m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N,
+                                               INTERPRET)
+        elif SCALE != 0:
+            for i in tl.static_range(FIELDS):
+                if i % GROUP_FIELDS == 0:
+                    zm = _group_zero(z_ptr, k_base + 16 * i, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS)
+                if CONVERT == 1:
+                    d = _field_minus_zero(words, words_hi, field_mask, i, BITS, zm - 8388608.0)
+                else:
+                    d = _codes_minus_zero(words, i * BITS, (1 << BITS) - 1, zm)
+                acc, acc_g = _scaled_field_dot(acc, acc_g, cast_to(d, x_dtype, INTERPRET), i, GROUP_FIELDS, SCALE,
+                                               x_cols, k_base, r_k, k_end, m_mask, s_ptr, group_size, num_groups, N,
+                                               offs_n, n_mask, BLOCK_N, INTERPRET)
+        elif CONVERT == 2:
             # Fields p and p + HALF sit at bits BITS*p and 16 + BITS*p: one shift and one packed conversion
             # per pair. The products go in field order (the low fields' now, the high fields' after them),
             # the accumulation order of the one-field conversions: the same output bit for bit.
             tl.static_assert(GROUP_FIELDS >= 2, "packed conversion: a group spans at least two fields")
             nz, ss = _packed_params(s_ptr, z_ptr, k_base, 0, cc, c_end, group_size, num_groups, N, offs_n, n_mask,
-                                    HAS_ZERO, BITS, GROUP_FIELDS == FIELDS, CHUNK, CHUNKS, HALF, x_dtype)
+                                    HAS_ZERO, BITS, GROUP_FIELDS == FIELDS, CHUNK, CHUNKS, HALF, x_dtype, True)
             w0, w_h0 = _pair_convert(words, nz, ss, BITS, x_dtype, INTERPRET)
             acc = _field_dot(acc, w0, x_cols, k_base + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
             w1, w_h1 = _pair_convert(words >> BITS, nz, ss, BITS, x_dtype, INTERPRET)
@@ -422,7 +572,7 @@ def _wo_mm_kernel(
             if HALF == 4:
                 if GROUP_FIELDS == 2:  # fields 2 and 6 start the next groups
                     nz, ss = _packed_params(s_ptr, z_ptr, k_base, 2, cc, c_end, group_size, num_groups, N, offs_n,
-                                            n_mask, HAS_ZERO, BITS, False, CHUNK, CHUNKS, HALF, x_dtype)
+                                            n_mask, HAS_ZERO, BITS, False, CHUNK, CHUNKS, HALF, x_dtype, True)
                 w2, w_h2 = _pair_convert(words >> (2 * BITS), nz, ss, BITS, x_dtype, INTERPRET)
                 acc = _field_dot(acc, w2, x_cols, k_base + 16 * 2 + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
                 w3, w_h3 = _pair_convert(words >> (3 * BITS), nz, ss, BITS, x_dtype, INTERPRET)
@@ -442,6 +592,8 @@ def _wo_mm_kernel(
                 w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET)
                 acc = _field_dot(acc, w, x_cols, k_base + 16 * i + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
 
+    if SCALE == 2:
+        acc = acc * _group_scale(s_ptr, 0, group_size, num_groups, N, offs_n, n_mask)
     # int64 row offsets: M * N can pass 2^31 (e.g. a large-vocabulary head at prefill on the fused path)
     rows64 = offs_m.to(tl.int64)[None, :]
     out_offs = rows64 * stride_om + offs_n[:, None]
@@ -450,25 +602,38 @@ def _wo_mm_kernel(
         part_tile = rows64 * N + offs_n[:, None]
         tl.store(part_ptr + pid_s.to(tl.int64) * M * N + part_tile, acc, mask=out_mask)
         if FUSED_REDUCE:
-            tile_id = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-            # barrier, then release: every thread's share of this partial is visible before the count
-            # moves (fences are cumulative); acquire: the last program sees every other partial (read
-            # past L1, which is not coherent across SMs)
-            tl.debug_barrier()
-            done = tl.atomic_add(count_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-            if done == splits - 1:
-                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for sidx in range(0, splits):
-                    total += tl.load(part_ptr + sidx * M * N + part_tile, mask=out_mask, other=0.0,
-                                     cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-                tl.store(out_ptr + out_offs, cast_to(total, out_ptr.dtype.element_ty, INTERPRET), mask=out_mask)
-                tl.atomic_xchg(count_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+            _last_split_reduces(part_ptr, bias_ptr, out_ptr, count_ptr, splits, M, N, offs_n, n_mask, offs_m, m_mask,
+                                stride_om, HAS_BIAS, INTERPRET)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + out_offs, cast_to(acc, out_ptr.dtype.element_ty, INTERPRET), mask=out_mask)
+
+
+@triton.jit
+def _last_split_reduces(part_ptr, bias_ptr, out_ptr, count_ptr, splits, M, N, offs_n, n_mask, offs_m, m_mask,
+                        stride_om, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Fused split-K reduction, after this program stored its partial of the output tile (offs_n x offs_m):
+    the program of the tile that finishes last (an acq_rel counter per tile in count_ptr, reset by that
+    program for the next launch) sums the tile's partials in split order (+ bias) and stores the output."""
+    tile_id = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    # barrier, then release: every thread's share of this partial is visible before the count moves
+    # (fences are cumulative); acquire: the last program sees every other partial (read past L1, which is
+    # not coherent across SMs)
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+    if done == splits - 1:
+        rows64 = offs_m.to(tl.int64)[None, :]
+        part_tile = rows64 * N + offs_n[:, None]
+        out_mask = n_mask[:, None] & m_mask[None, :]
+        total = tl.zeros(part_tile.shape, dtype=tl.float32)
+        for sidx in range(0, splits):
+            total += tl.load(part_ptr + sidx * M * N + part_tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + rows64 * stride_om + offs_n[:, None], cast_to(total, out_ptr.dtype.element_ty, INTERPRET),
+                 mask=out_mask)
+        tl.atomic_xchg(count_ptr + tile_id, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -500,15 +665,21 @@ def _wo_gemv_kernel(
     M, N, K, num_groups, group_size, chunks_per_split, field_mask, splits,
     stride_xm, stride_wn, stride_om,
     BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
-    CONVERT: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_M_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, CONVERT: tl.constexpr, SCALE: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """The same product without tensor cores, for very small M (BLOCK_M <= 4 rows per program).
 
-    Per field the [BLOCK_N, CHUNKS, 16] w_hat tile (the same exact conversion and rounding to x's dtype,
-    then widened to float32) is multiplied by each row's x values broadcast along n and accumulated
+    SCALE 0: per field the [BLOCK_N, CHUNKS, 16] w_hat tile (the same exact conversion and rounding to x's
+    dtype, then widened to float32) is multiplied by each row's x values broadcast along n and accumulated
     elementwise into one float32 tile per row; each tile is reduced (tl.sum) once, after the K loop.
-    Grid, split-K partials and the K / split-end masking are those of `_wo_mm_kernel`."""
+    SCALE 1 / 2 (scale after, see `_wo_mm_kernel`): the tile holds the exact float32 u - z (no rounding, no
+    scale multiply per weight: LOP3 + FADD + one FFMA per row); 1: a second elementwise tile per row sums
+    each group and is scaled into the first at the group's last field (every chunk of the iteration with
+    its own group's scales); 2: the one group's scale multiplies the tile once after the K loop.
+    Grid, split-K partials (and the fused reduction, over BLOCK_M_P2 = the power of two >= BLOCK_M rows,
+    masked) and the K / split-end masking are those of `_wo_mm_kernel`."""
     tl.static_assert(BLOCK_M >= 1 and BLOCK_M <= 4, "gemv kernel: BLOCK_M must be 1..4")
     FIELDS: tl.constexpr = 32 // BITS
     CHUNK: tl.constexpr = 16 * FIELDS
@@ -525,23 +696,73 @@ def _wo_gemv_kernel(
     acc1 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
+    # the current group's sums (SCALE 1)
+    grp0 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
+    grp1 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
+    grp2 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
+    grp3 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
     for cc in range(c_begin, c_end, CHUNKS):
         valid, words, words_hi = _load_words(w_tile, cc, ci, nm3, c_end, CHUNKS, CONVERT)
         k_base = cc * CHUNK
         for i in tl.static_range(FIELDS):
-            if i % GROUP_FIELDS == 0:
-                s, zm = _group_params(s_ptr, z_ptr, k_base + ci * CHUNK + 16 * i, group_size, num_groups, N,
-                                      n3, valid, HAS_ZERO, BITS)
-            w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET)
-            w = w.to(tl.float32)
+            k_field = k_base + ci * CHUNK + 16 * i  # [1, CHUNKS, 1]
             k = k_base + 16 * i + k3
-            acc0 = _gemv_row(acc0, w, x_row, k, 0, M, m0, k_end, stride_xm)
-            if BLOCK_M > 1:
-                acc1 = _gemv_row(acc1, w, x_row, k, 1, M, m0, k_end, stride_xm)
-            if BLOCK_M > 2:
-                acc2 = _gemv_row(acc2, w, x_row, k, 2, M, m0, k_end, stride_xm)
-            if BLOCK_M > 3:
-                acc3 = _gemv_row(acc3, w, x_row, k, 3, M, m0, k_end, stride_xm)
+            if SCALE == 0:
+                if i % GROUP_FIELDS == 0:
+                    s, zm = _group_params(s_ptr, z_ptr, k_field, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS)
+                w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET)
+                w = w.to(tl.float32)
+                acc0 = _gemv_row(acc0, w, x_row, k, 0, M, m0, k_end, stride_xm)
+                if BLOCK_M > 1:
+                    acc1 = _gemv_row(acc1, w, x_row, k, 1, M, m0, k_end, stride_xm)
+                if BLOCK_M > 2:
+                    acc2 = _gemv_row(acc2, w, x_row, k, 2, M, m0, k_end, stride_xm)
+                if BLOCK_M > 3:
+                    acc3 = _gemv_row(acc3, w, x_row, k, 3, M, m0, k_end, stride_xm)
+            else:
+                if i % GROUP_FIELDS == 0:
+                    zm = _group_zero(z_ptr, k_field, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS)
+                if CONVERT == 1:
+                    w = _field_minus_zero(words, words_hi, field_mask, i, BITS, zm - 8388608.0)
+                else:
+                    w = _codes_minus_zero(words, i * BITS, (1 << BITS) - 1, zm)
+                if SCALE == 2:
+                    acc0 = _gemv_row(acc0, w, x_row, k, 0, M, m0, k_end, stride_xm)
+                    if BLOCK_M > 1:
+                        acc1 = _gemv_row(acc1, w, x_row, k, 1, M, m0, k_end, stride_xm)
+                    if BLOCK_M > 2:
+                        acc2 = _gemv_row(acc2, w, x_row, k, 2, M, m0, k_end, stride_xm)
+                    if BLOCK_M > 3:
+                        acc3 = _gemv_row(acc3, w, x_row, k, 3, M, m0, k_end, stride_xm)
+                else:
+                    if i % GROUP_FIELDS == 0:
+                        grp0 = tl.zeros_like(grp0)
+                        grp1 = tl.zeros_like(grp1)
+                        grp2 = tl.zeros_like(grp2)
+                        grp3 = tl.zeros_like(grp3)
+                    grp0 = _gemv_row(grp0, w, x_row, k, 0, M, m0, k_end, stride_xm)
+                    if BLOCK_M > 1:
+                        grp1 = _gemv_row(grp1, w, x_row, k, 1, M, m0, k_end, stride_xm)
+                    if BLOCK_M > 2:
+                        grp2 = _gemv_row(grp2, w, x_row, k, 2, M, m0, k_end, stride_xm)
+                    if BLOCK_M > 3:
+                        grp3 = _gemv_row(grp3, w, x_row, k, 3, M, m0, k_end, stride_xm)
+                    if i % GROUP_FIELDS == GROUP_FIELDS - 1:
+                        g = tl.minimum(k_field // group_size, num_groups - 1)
+                        s = tl.load(s_ptr + g * N + n3, mask=valid, other=0.0).to(tl.float32)
+                        acc0 += grp0 * s
+                        if BLOCK_M > 1:
+                            acc1 += grp1 * s
+                        if BLOCK_M > 2:
+                            acc2 += grp2 * s
+                        if BLOCK_M > 3:
+                            acc3 += grp3 * s
+    if SCALE == 2:
+        s = tl.load(s_ptr + n3, mask=nm3, other=0.0).to(tl.float32)
+        acc0 = acc0 * s
+        acc1 = acc1 * s
+        acc2 = acc2 * s
+        acc3 = acc3 * s
 
     _gemv_store(acc0, 0, m0, M, N, offs_n, n_mask, pid_s, bias_ptr, out_ptr, part_ptr, stride_om,
                 HAS_BIAS, SPLIT, INTERPRET)
@@ -554,6 +775,10 @@ def _wo_gemv_kernel(
     if BLOCK_M > 3:
         _gemv_store(acc3, 3, m0, M, N, offs_n, n_mask, pid_s, bias_ptr, out_ptr, part_ptr, stride_om,
                     HAS_BIAS, SPLIT, INTERPRET)
+    if SPLIT and FUSED_REDUCE:
+        r = tl.arange(0, BLOCK_M_P2)
+        _last_split_reduces(part_ptr, bias_ptr, out_ptr, count_ptr, splits, M, N, offs_n, n_mask, m0 + r,
+                            (r < BLOCK_M) & (m0 + r < M), stride_om, HAS_BIAS, INTERPRET)
 
 
 @triton.jit
@@ -639,18 +864,36 @@ _KERNELS = ("mma", "gemv")
 _CONVERTS = {"shift": 0, "inplace": 1, "packed": 2}
 
 
-def packed_applies(x_dtype: torch.dtype, scale_dtype: torch.dtype, bits: int) -> bool:
-    """Whether convert="packed" computes w_hat exactly (`_pair_convert`): the scales are values of the
-    activation dtype (so the 16-bit product rounds once, like the reference), and MAGIC + u is exact in
-    it (int4 in bfloat16 or float16, int8 in float16 only: 128 + u needs 9 bits past bfloat16's 8)."""
-    return scale_dtype == x_dtype and (bits == 4 or x_dtype == torch.float16)
+_SCALES = ("before", "after", "auto")
 
 
-def _convert_code(tile: dict, x_dtype: torch.dtype, scale_dtype: torch.dtype, bits: int, mma: bool) -> int:
+def packed_applies(x_dtype: torch.dtype, scale_dtype: torch.dtype, bits: int, scale_after: bool = False) -> bool:
+    """Whether convert="packed" is exact: MAGIC + u is exact in the activation dtype (int4 in bfloat16 or
+    float16, int8 in float16 only: 128 + u needs 9 bits past bfloat16's 8), and, when the scale is applied
+    before the dot (`_pair_convert`), the scales are values of the activation dtype (so the 16-bit product
+    rounds once, like the reference). With the scale after the dot (`_pair_minus_zero`) only u - z is
+    converted, so any scale dtype will do."""
+    return (scale_after or scale_dtype == x_dtype) and (bits == 4 or x_dtype == torch.float16)
+
+
+def _scale_code(tile: dict, num_groups: int, mma: bool) -> int:
+    """SCALE of a launch: 0 for scale="before"; for "after" 1 (per group), or 2 when one group covers all
+    of K (per channel: scaled once at the end); "auto": "after" on the GEMV kernel, "before" on the
+    tensor-core kernel, where rescaling each group waits for its MMAs (measured slower on the H100,
+    W4A16 g128 M=1..128: tune_weight_only_scale_after.json) and the per-channel form gained nothing
+    (W8A16 M=1 28672x8192: 134.8 vs 135.0 us)."""
+    scale = tile.get("scale", "before")
+    if scale == "before" or (scale == "auto" and mma):
+        return 0
+    return 2 if num_groups == 1 else 1
+
+
+def _convert_code(tile: dict, x_dtype: torch.dtype, scale_dtype: torch.dtype, bits: int, mma: bool,
+                  scale_after: bool = False) -> int:
     """CONVERT of a launch: the tile's conversion, except that "packed" runs only on the tensor-core
-    kernel and where `packed_applies`; elsewhere it falls back to "inplace" (the same w_hat)."""
+    kernel and where `packed_applies`; elsewhere it falls back to "inplace" (the same values)."""
     convert = tile.get("convert", "shift")
-    if convert == "packed" and not (mma and packed_applies(x_dtype, scale_dtype, bits)):
+    if convert == "packed" and not (mma and packed_applies(x_dtype, scale_dtype, bits, scale_after)):
         convert = "inplace"
     return _CONVERTS[convert]
 
@@ -662,10 +905,14 @@ def check_tile(tile: dict) -> None:
         raise ValueError(f"tile kernel: expected one of {_KERNELS}, got {kind!r}")
     if tile.get("convert", "shift") not in _CONVERTS:
         raise ValueError(f"tile convert: expected one of {tuple(_CONVERTS)}, got {tile.get('convert')!r}")
+    if tile.get("scale", "before") not in _SCALES:
+        raise ValueError(f"tile scale: expected one of {_SCALES}, got {tile.get('scale')!r}")
     pow2 = lambda v: isinstance(v, int) and v > 0 and v & (v - 1) == 0  # noqa: E731
     chunks, bm, bn = tile.get("chunks", 1), tile["block_m"], tile["block_n"]
     if not pow2(chunks) or chunks > 8:
         raise ValueError(f"tile chunks: expected a power of two <= 8, got {chunks!r}")
+    if tile.get("scale", "before") == "after" and kind == "mma" and chunks != 1:
+        raise ValueError(f"tile scale: 'after' on the mma kernel needs chunks=1 (one group per dot), got chunks={chunks}")
     if not pow2(bn) or bn < 16:
         raise ValueError(f"tile block_n: expected a power of two >= 16, got {bn!r}")
     if kind == "mma" and (not pow2(bm) or bm < 16):
@@ -714,9 +961,11 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
 
     tile: a `_DISPATCH` entry (default: `pick_tile(M)`); keys block_m, block_n, num_warps, num_stages,
     programs_per_sm, and optionally chunks (chunks of 16 words per K-loop iteration, default 1),
-    kernel ("mma": tensor cores, `_wo_mm_kernel`, default; "gemv": `_wo_gemv_kernel`, block_m <= 4) and
-    convert ("shift", default, "inplace" or "packed": the same w_hat with fewer instructions; "packed" runs
-    on the mma kernel where `packed_applies(x.dtype, scales.dtype, bits)`, else as "inplace"). splits:
+    kernel ("mma": tensor cores, `_wo_mm_kernel`, default; "gemv": `_wo_gemv_kernel`, block_m <= 4),
+    convert ("shift", default, "inplace" or "packed": the same values with fewer instructions; "packed"
+    runs on the mma kernel where `packed_applies`, else as "inplace") and scale ("before", default: the
+    dot takes w_hat; "after": the dot takes u - z and the group sums are scaled, mma kernel with chunks=1
+    only; see `_wo_mm_kernel`). splits:
     force the number of K splits (rounded so every split has the same whole number of chunks, the last
     possibly fewer)."""
     m, k = x2d.shape
@@ -739,17 +988,20 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out
     has_bias = bias is not None
     counts = None
-    if split and kernel is _wo_mm_kernel and m <= _table(x2d.device)["fused_reduce_max_m"]:
+    if split and m <= _table(x2d.device)["fused_reduce_max_m"]:
         counts = _tile_counters(x2d.device, grid_n * grid_m)
     fused = counts is not None
-    extra = dict(FUSED_REDUCE=fused) if kernel is _wo_mm_kernel else {}
+    mma = kernel is _wo_mm_kernel
+    scale_code = _scale_code(tile, scales.shape[0], mma)
+    extra = dict(FUSED_REDUCE=fused) if mma else dict(FUSED_REDUCE=fused, BLOCK_M_P2=triton.next_power_of_2(block_m))
     kernel[(grid_n, splits, grid_m)](
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales,
         out, part, counts if fused else scales, m, n, k, scales.shape[0], _effective_group(group_size, k),
         chunks_per_split, (1 << bits) - 1, splits, x2d.stride(0), qweight.stride(0), out.stride(0),
         BITS=bits, GROUP_FIELDS=_group_fields(group_size, k, bits), HAS_ZERO=zeros is not None,
         HAS_BIAS=has_bias, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKS=chunks,
-        CONVERT=_convert_code(tile, x2d.dtype, scales.dtype, bits, kernel is _wo_mm_kernel), INTERPRET=INTERPRET,
+        CONVERT=_convert_code(tile, x2d.dtype, scales.dtype, bits, mma, scale_code != 0), SCALE=scale_code,
+        INTERPRET=INTERPRET,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **extra,
     )
     if split and not fused:
