@@ -45,7 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SHAPES = [(4096, 6144), (4096, 14336), (14336, 4096), (8192, 10240), (28672, 8192)]
 MS = [int(v) for v in os.environ.get("TUNE_MS", "1,4,16,32,64").split(",")]
-GROUP = 128
+# the swept scheme: W4A16 group 128 by default; TUNE_BITS=8 TUNE_GROUP=-1 for W8A16 per channel
+BITS = int(os.environ.get("TUNE_BITS", "4"))
+GROUP = int(os.environ.get("TUNE_GROUP", "128"))
 BLOCK_NS = (16, 32, 64, 128)
 GEMV_BLOCK_NS = (32, 64, 128, 256)
 CHUNKS = (1, 2, 4)
@@ -231,7 +233,7 @@ def _make_qw(k, n, seed):
 
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     w = torch.randn(n, k, device=DEVICE, generator=g)
-    return qf.quantize_weight(w, bits=4, group_size=GROUP, symmetric=True, scale_dtype=getattr(torch, SCALE_DTYPE))
+    return qf.quantize_weight(w, bits=BITS, group_size=GROUP, symmetric=True, scale_dtype=getattr(torch, SCALE_DTYPE))
 
 
 def _worker_init():
@@ -250,9 +252,10 @@ def _worker_qw(k, n):
 
     from quantfuse.weights import QuantizedWeight
 
-    qweight = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=DEVICE, dtype=torch.int32)
-    scales = (torch.rand(-(-k // GROUP), n, device=DEVICE) * 0.01).to(getattr(torch, SCALE_DTYPE))
-    return QuantizedWeight(qweight, scales, None, 4, GROUP, (n, k), None)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (n, k * BITS // 32), device=DEVICE, dtype=torch.int32)
+    groups = 1 if GROUP == -1 else -(-k // GROUP)
+    scales = (torch.rand(groups, n, device=DEVICE) * 0.01).to(getattr(torch, SCALE_DTYPE))
+    return QuantizedWeight(qweight, scales, None, BITS, GROUP, (n, k), None)
 
 
 def _worker_compile(m, k, n, cfg):
@@ -267,7 +270,7 @@ def _worker_compile(m, k, n, cfg):
             _W["qw"][(k, n)] = _worker_qw(k, n)
         qw = _W["qw"][(k, n)]
         x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-        kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, None, 4, GROUP, n, tile=cfg)
+        kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, None, BITS, GROUP, n, tile=cfg)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         return None
@@ -348,6 +351,8 @@ class Sweep:
         self.lin_sets = [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
         self.tg_sets = None
         try:
+            if BITS != 4:
+                raise ValueError("tinygemm takes 4-bit weights only")
             wp, sz = bwo.tinygemm_pack(qw)
             tg_bytes = wp.numel() * wp.element_size() + sz.numel() * sz.element_size()
             self.tg_sets = [(wp, sz)] + [(wp.clone(), sz.clone()) for _ in range(common.rotation_count(tg_bytes) - 1)]
@@ -404,7 +409,7 @@ class Sweep:
             return None
 
         def fn(x, qw):
-            return kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, None, 4, GROUP, n, tile=cfg)
+            return kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, None, BITS, GROUP, n, tile=cfg)
 
         try:
             us = self.time_us(fn, [(self.xs[i], q) for i, q in enumerate(self.qw_sets)])
@@ -569,7 +574,7 @@ def sweep(workers: int, table_only: bool = False, tiles=None):
     print("            # ... keep the catch-all (max_m=1 << 62) entry of the shipped table\n        ],")
     columns = ["kind", "M", "K", "N", "cfg", "us", "weight_GBs", "frac_copy_bw", "speedup_vs_bf16", "speedup_vs_tinygemm"]
     failed = [f"M={m} K={k} N={n} {c}: {e}" for (m, k, n, c), e in sw.failed.items()]
-    notes = (f"W4A16 g128 sym bf16; CUDA graphs, inputs rotated past L2; copy bandwidth {sw.bw:.0f} GB/s; "
+    notes = (f"W{BITS}A16 g{GROUP} sym bf16; CUDA graphs, inputs rotated past L2; copy bandwidth {sw.bw:.0f} GB/s; "
              f"do_bench warmup {WARMUP_MS} ms rep {REP_MS} ms; {len(rows)} rows, {len(failed)} failed candidates; "
              f"total {sw.elapsed():.0f} s (budget {BUDGET_S:.0f} s)")
     path = sw.common.write_result(
