@@ -646,6 +646,13 @@ def _gemv_row(acc, w, x_row, k, row: tl.constexpr, M, m0, k_end, stride_xm):
 
 
 @triton.jit
+def _gemv_first(w, x_row, k, row: tl.constexpr, M, m0, k_end, stride_xm):
+    """w * x[m0 + row, k]: a group's first term (a product, not a zeroed tile plus one)."""
+    k_lim = tl.where(m0 + row < M, k_end, 0)
+    return w * tl.load(x_row + row * stride_xm + k, mask=k < k_lim, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_store(acc, row: tl.constexpr, m0, M, N, offs_n, n_mask, pid_s, bias_ptr, out_ptr, part_ptr, stride_om,
                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
@@ -663,7 +670,7 @@ def _gemv_store(acc, row: tl.constexpr, m0, M, N, offs_n, n_mask, pid_s, bias_pt
 def _wo_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, num_groups, group_size, chunks_per_split, field_mask, splits,
-    stride_xm, stride_wn, stride_om,
+    stride_xm, stride_wn, stride_om, group_shift,
     BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_M_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, CONVERT: tl.constexpr, SCALE: tl.constexpr,
@@ -736,19 +743,24 @@ def _wo_gemv_kernel(
                         acc3 = _gemv_row(acc3, w, x_row, k, 3, M, m0, k_end, stride_xm)
                 else:
                     if i % GROUP_FIELDS == 0:
-                        grp0 = tl.zeros_like(grp0)
-                        grp1 = tl.zeros_like(grp1)
-                        grp2 = tl.zeros_like(grp2)
-                        grp3 = tl.zeros_like(grp3)
-                    grp0 = _gemv_row(grp0, w, x_row, k, 0, M, m0, k_end, stride_xm)
-                    if BLOCK_M > 1:
-                        grp1 = _gemv_row(grp1, w, x_row, k, 1, M, m0, k_end, stride_xm)
-                    if BLOCK_M > 2:
-                        grp2 = _gemv_row(grp2, w, x_row, k, 2, M, m0, k_end, stride_xm)
-                    if BLOCK_M > 3:
-                        grp3 = _gemv_row(grp3, w, x_row, k, 3, M, m0, k_end, stride_xm)
+                        grp0 = _gemv_first(w, x_row, k, 0, M, m0, k_end, stride_xm)
+                        if BLOCK_M > 1:
+                            grp1 = _gemv_first(w, x_row, k, 1, M, m0, k_end, stride_xm)
+                        if BLOCK_M > 2:
+                            grp2 = _gemv_first(w, x_row, k, 2, M, m0, k_end, stride_xm)
+                        if BLOCK_M > 3:
+                            grp3 = _gemv_first(w, x_row, k, 3, M, m0, k_end, stride_xm)
+                    else:
+                        grp0 = _gemv_row(grp0, w, x_row, k, 0, M, m0, k_end, stride_xm)
+                        if BLOCK_M > 1:
+                            grp1 = _gemv_row(grp1, w, x_row, k, 1, M, m0, k_end, stride_xm)
+                        if BLOCK_M > 2:
+                            grp2 = _gemv_row(grp2, w, x_row, k, 2, M, m0, k_end, stride_xm)
+                        if BLOCK_M > 3:
+                            grp3 = _gemv_row(grp3, w, x_row, k, 3, M, m0, k_end, stride_xm)
                     if i % GROUP_FIELDS == GROUP_FIELDS - 1:
-                        g = tl.minimum(k_field // group_size, num_groups - 1)
+                        # groups are powers of two here (32 .. 256): a shift, not an integer division
+                        g = tl.minimum(k_field >> group_shift, num_groups - 1)
                         s = tl.load(s_ptr + g * N + n3, mask=valid, other=0.0).to(tl.float32)
                         acc0 += grp0 * s
                         if BLOCK_M > 1:
@@ -993,7 +1005,13 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     fused = counts is not None
     mma = kernel is _wo_mm_kernel
     scale_code = _scale_code(tile, scales.shape[0], mma)
-    extra = dict(FUSED_REDUCE=fused) if mma else dict(FUSED_REDUCE=fused, BLOCK_M_P2=triton.next_power_of_2(block_m))
+    if mma:
+        extra = dict(FUSED_REDUCE=fused)
+    else:
+        group = _effective_group(group_size, k)
+        if scale_code == 1 and group & (group - 1):
+            raise ValueError(f"group_size: the GEMV's per-group scaling needs a power of two, got {group}")
+        extra = dict(group_shift=group.bit_length() - 1, FUSED_REDUCE=fused, BLOCK_M_P2=triton.next_power_of_2(block_m))
     kernel[(grid_n, splits, grid_m)](
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales,
         out, part, counts if fused else scales, m, n, k, scales.shape[0], _effective_group(group_size, k),
