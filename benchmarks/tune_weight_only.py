@@ -24,6 +24,8 @@ Prints the best candidate per (M, K, N) and a suggested `_DISPATCH["sm90"]["tile
 with the best geometric-mean speedup over the shipped dispatch across shapes).
 
 Run on the device:  PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_weight_only.py
+                    ... --candidates benchmarks/tune_candidates/weight_only_krule.json  (only the tiles of a
+                    JSON list, at TUNE_MS; TUNE_BITS=8 TUNE_GROUP=-1 sweeps W8A16 per channel instead)
 Without a GPU:      PYTHONPATH=$PWD/src python benchmarks/tune_weight_only.py --dry-run   (lists candidates)
                     ... --census  (compiles the stage-1 candidates for sm90 with Triton's bundled ptxas, no GPU
                     needed, and prints registers / spills / shared memory / SASS instructions per weight of the
