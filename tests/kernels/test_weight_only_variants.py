@@ -452,13 +452,16 @@ def test_scale_after_identity_rows_exact(t):
             assert not bool(diff.any()), f"int{bits} rows {sel}: {int(diff.sum())} differ"
 
 
-@pytest.mark.parametrize("scale,kernel,groups,want", [
-    ("before", "gemv", 4, 0), ("before", "mma", 1, 0), (None, "gemv", 1, 0),
-    ("auto", "gemv", 4, 1), ("auto", "gemv", 1, 2), ("auto", "mma", 4, 0), ("auto", "mma", 1, 0),
-    ("after", "mma", 4, 1), ("after", "mma", 1, 2), ("after", "gemv", 4, 1),
+@pytest.mark.parametrize("scale,kernel,block_n,chunks,groups,want", [
+    ("before", "gemv", 64, 1, 4, 0), ("before", "mma", 32, 1, 1, 0), (None, "gemv", 64, 1, 1, 0),
+    ("auto", "gemv", 64, 2, 4, 1), ("auto", "gemv", 64, 1, 1, 2),
+    ("auto", "mma", 64, 1, 4, 0), ("auto", "mma", 128, 1, 1, 0),  # wgmma tiles: before
+    ("auto", "mma", 32, 1, 4, 1), ("auto", "mma", 16, 1, 1, 2),  # mma.sync tiles: after
+    ("auto", "mma", 32, 2, 4, 0),  # more than one chunk per dot: before
+    ("after", "mma", 128, 1, 4, 1), ("after", "mma", 64, 1, 1, 2), ("after", "gemv", 32, 4, 4, 1),
 ])
-def test_scale_code(scale, kernel, groups, want):
-    t = tile(kernel, block_m=1 if kernel == "gemv" else 16, scale=scale)
+def test_scale_code(scale, kernel, block_n, chunks, groups, want):
+    t = tile(kernel, block_m=1 if kernel == "gemv" else 16, block_n=block_n, chunks=chunks, scale=scale)
     assert kw._scale_code(t, groups, kernel == "mma") == want
 
 

@@ -85,7 +85,7 @@ def chunk_codes(bits: int) -> int:
 # `chunks`: chunks of 16 words per K-loop iteration; `kernel`: "mma" (tensor cores) or "gemv" (no tensor
 # cores, block_m <= 4); `convert`: "shift", "inplace" or "packed" (same w_hat; "packed" where
 # `packed_applies`, else "inplace"); `scale`: "before" (default; the dot takes w_hat), "after" (the dot
-# takes u - z, group sums scaled) or "auto" ("after" on the GEMV kernel only; `_scale_code`). The sm90
+# takes u - z, group sums scaled) or "auto" ("after" where it measured faster; `_scale_code`). The sm90
 # rows from M = 2 to 64 are the
 # winners of benchmarks/tune_weight_only.py on the H100 (W4A16 g128, five Llama-3 shapes, CUDA graphs;
 # geometric-mean speedup over the previous table 1.37x at M=1, 1.40x at 4, 1.38x at 16, 1.42x at 32,
@@ -890,12 +890,16 @@ def packed_applies(x_dtype: torch.dtype, scale_dtype: torch.dtype, bits: int, sc
 
 def _scale_code(tile: dict, num_groups: int, mma: bool) -> int:
     """SCALE of a launch: 0 for scale="before"; for "after" 1 (per group), or 2 when one group covers all
-    of K (per channel: scaled once at the end); "auto": "after" on the GEMV kernel, "before" on the
-    tensor-core kernel, where rescaling each group waits for its MMAs (measured slower on the H100,
-    W4A16 g128 M=1..128: tune_weight_only_scale_after.json) and the per-channel form gained nothing
-    (W8A16 M=1 28672x8192: 134.8 vs 135.0 us)."""
+    of K (per channel: scaled once at the end). "auto" is "after" where it measured faster on the H100
+    (W4A16 g128): the GEMV kernel (1.3x, tune_weight_only_krule.json) and tensor-core tiles with block_n
+    <= 32 and one chunk per iteration, which run mma.sync with register accumulators on Hopper (1.45x,
+    tune_weight_only_mmav2_after.json); "before" on wgmma tiles (block_n >= 64), where rescaling each
+    group waits for its asynchronous MMAs (10-30% slower, tune_weight_only_scale_after.json; per channel
+    no gain either: W8A16 M=1 28672x8192 134.8 vs 135.0 us)."""
     scale = tile.get("scale", "before")
-    if scale == "before" or (scale == "auto" and mma):
+    if scale == "before":
+        return 0
+    if scale == "auto" and mma and (tile["block_n"] > 32 or tile.get("chunks", 1) != 1):
         return 0
     return 2 if num_groups == 1 else 1
 
