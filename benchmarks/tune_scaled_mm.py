@@ -52,8 +52,7 @@ COLUMNS = ["kind", "M", "K", "N", "variant", "variant_name", "block_m", "block_n
 def smem_bytes(cfg):
     """Shared memory of one blockwise program: `stages` buffers of an fp8 a tile and b tile, plus barriers
     (at or just above the compiled kernels' metadata on sm90)."""
-    steps = 2 if cfg.variant & 8 else 1  # two K steps per iteration: two of each tile per stage
-    return cfg.num_stages * steps * (cfg.block_m + cfg.block_n) * cfg.block_k + 1024
+    return cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k + 1024
 
 
 def sweep_pass(cfg):

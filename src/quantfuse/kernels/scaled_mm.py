@@ -156,17 +156,10 @@ BLOCKWISE_CONFIGS: Dict[str, List[Bucket]] = {
 #     per step folded into the row vector: acc += (sa * sb)[:, None] * partial (one FMA per element).
 #   3 = 1 + 2: the rescale is one row vector per step (acc *= ((ua_old / ua) * (ub_old / ub))[:, None]).
 #   5 = 1 + 4, 7 = 3 + 4.
-#   8 "two_steps" (with 0 or 2: variants 8, 10): each loop iteration loads two K steps and issues both
-#     steps' dots into fresh tiles before scaling either into acc, so the tensor cores work on the second
-#     while the first is scaled (in 0 / 2 each step's dot is waited for before its scaling). The same
-#     products, scales and order of additions into acc as 0 / 2: the same results. A second step past the
-#     split's end loads zeros and scale 0.
-# The launcher drops bit 2 where BLOCK_N does not divide 128 (3 -> 1, 2 -> 0, 7 -> 5, 10 -> 8): see
-# blockwise_modes.
+# The launcher drops bit 2 where BLOCK_N does not divide 128 (3 -> 1, 2 -> 0, 7 -> 5): see blockwise_modes.
 BLOCKWISE_VARIANTS = {
     0: "two_tiles", 1: "rescaled", 2: "tile_scale_b", 3: "rescaled+tile_scale_b",
-    5: "rescaled+promote", 7: "rescaled+tile_scale_b+promote", 8: "two_tiles+two_steps",
-    10: "tile_scale_b+two_steps",
+    5: "rescaled+promote", 7: "rescaled+tile_scale_b+promote",
 }
 BLOCKWISE_SCALE_BLOCK = 128
 
@@ -385,12 +378,11 @@ def _blockwise_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BLOCK: tl.constexpr, SCALE_MODE: tl.constexpr, SB_PER_TILE: tl.constexpr, PROMOTE: tl.constexpr,
-    TWO_STEPS: tl.constexpr, INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """SCALE_MODE 0: two float32 tiles (acc and the step's partial); 1: one rescaled accumulator.
     SB_PER_TILE: one weight-block scale per step for the whole tile (BLOCK_N divides SCALE_BLOCK).
     PROMOTE (SCALE_MODE 1): the tensor-core sum is promoted into float32 every BLOCK_K.
-    TWO_STEPS (SCALE_MODE 0): two K steps per iteration, both dots issued before either is scaled.
     See BLOCKWISE_VARIANTS for the math and the numerical guarantees."""
     pid_k = tl.program_id(1)
     rm, rn, ram, rbn, k_start, a_ptrs, b_ptrs = _tile_operands(
@@ -413,68 +405,37 @@ def _blockwise_kernel(
         else:
             ub = tl.full((BLOCK_N,), 1.0, tl.float32)
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    if TWO_STEPS:
-        tl.static_assert(SCALE_MODE == 0, "two steps per iteration: variants 8 and 10 (scale mode 0)")
-        for k0 in range(k_start, k_end, 2 * BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            a0 = _load_operand(a_ptrs, (kk < k_end)[None, :], EVEN_K, True, INTERPRET)
-            b0 = _load_operand(b_ptrs, (kk < k_end)[:, None], EVEN_K, True, INTERPRET)
-            a1 = _load_operand(a_ptrs + BLOCK_K * stride_ak, (kk + BLOCK_K < k_end)[None, :], EVEN_K, True,
-                               INTERPRET)
-            b1 = _load_operand(b_ptrs + BLOCK_K * stride_bk, (kk + BLOCK_K < k_end)[:, None], EVEN_K, True,
-                               INTERPRET)
-            kb0 = k0 // SCALE_BLOCK
-            kb1 = (k0 + BLOCK_K) // SCALE_BLOCK
-            sa0 = tl.load(sa_ptrs + kb0 * stride_sak)
-            sb0 = tl.load(sb_ptrs + kb0 * stride_sbk)
-            # the second step's scales: 0 past the split's end (its codes load as 0 there)
-            sa1 = tl.load(sa_ptrs + kb1 * stride_sak, mask=(ram * 0 + k0 + BLOCK_K) < k_end, other=0.0)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = _load_operand(a_ptrs, (kk < k_end)[None, :], EVEN_K, True, INTERPRET)
+        b = _load_operand(b_ptrs, (kk < k_end)[:, None], EVEN_K, True, INTERPRET)
+        kb = k0 // SCALE_BLOCK
+        sa = tl.load(sa_ptrs + kb * stride_sak)
+        sb = tl.load(sb_ptrs + kb * stride_sbk)
+        if SCALE_MODE == 0:
+            partial = _mma(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), True, INTERPRET)
             if SB_PER_TILE:
-                sb1 = tl.load(sb_ptrs + kb1 * stride_sbk, mask=k0 + BLOCK_K < k_end, other=0.0)
+                acc += (sa * sb)[:, None] * partial
             else:
-                sb1 = tl.load(sb_ptrs + kb1 * stride_sbk, mask=(rbn * 0 + k0 + BLOCK_K) < k_end, other=0.0)
-            p0 = _mma(a0, b0, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), True, INTERPRET)
-            p1 = _mma(a1, b1, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), True, INTERPRET)
+                acc += (sa[:, None] * sb[None, :]) * partial
+        else:
+            # a zero scale keeps the units (its step adds nothing when its codes are zero); NaN/inf pass
+            na = tl.where(sa != 0.0, sa, ua)
+            nb = tl.where(sb != 0.0, sb, ub)
+            ra = tl.math.div_rn(ua, na)
+            rb = tl.math.div_rn(ub, nb)
             if SB_PER_TILE:
-                acc += (sa0 * sb0)[:, None] * p0
-                acc += (sa1 * sb1)[:, None] * p1
+                acc = acc * (ra * rb)[:, None]
             else:
-                acc += (sa0[:, None] * sb0[None, :]) * p0
-                acc += (sa1[:, None] * sb1[None, :]) * p1
-            a_ptrs += 2 * BLOCK_K * stride_ak
-            b_ptrs += 2 * BLOCK_K * stride_bk
-    else:
-        for k0 in range(k_start, k_end, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            a = _load_operand(a_ptrs, (kk < k_end)[None, :], EVEN_K, True, INTERPRET)
-            b = _load_operand(b_ptrs, (kk < k_end)[:, None], EVEN_K, True, INTERPRET)
-            kb = k0 // SCALE_BLOCK
-            sa = tl.load(sa_ptrs + kb * stride_sak)
-            sb = tl.load(sb_ptrs + kb * stride_sbk)
-            if SCALE_MODE == 0:
-                partial = _mma(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), True, INTERPRET)
-                if SB_PER_TILE:
-                    acc += (sa * sb)[:, None] * partial
-                else:
-                    acc += (sa[:, None] * sb[None, :]) * partial
+                acc = acc * (ra[:, None] * rb[None, :])
+            if PROMOTE and not INTERPRET:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
             else:
-                # a zero scale keeps the units (its step adds nothing when its codes are zero); NaN/inf pass
-                na = tl.where(sa != 0.0, sa, ua)
-                nb = tl.where(sb != 0.0, sb, ub)
-                ra = tl.math.div_rn(ua, na)
-                rb = tl.math.div_rn(ub, nb)
-                if SB_PER_TILE:
-                    acc = acc * (ra * rb)[:, None]
-                else:
-                    acc = acc * (ra[:, None] * rb[None, :])
-                if PROMOTE and not INTERPRET:
-                    acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-                else:
-                    acc = _mma(a, b, acc, True, INTERPRET)
-                ua = na
-                ub = nb
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+                acc = _mma(a, b, acc, True, INTERPRET)
+            ua = na
+            ub = nb
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
     if SCALE_MODE == 1:
         # the same rounding as the reference's (sa * sb) * part when K is one group
         if SB_PER_TILE:
@@ -641,7 +602,7 @@ def _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, 
 
 
 _VARIANT_BITS = {0: (0, False, False), 1: (1, False, False), 2: (0, True, False), 3: (1, True, False),
-                 5: (1, False, True), 7: (1, True, True), 8: (0, False, False), 10: (0, True, False)}
+                 5: (1, False, True), 7: (1, True, True)}
 
 
 # Measured on the H100 (tests/kernels/test_scaled_mm_blockwise_variants.py, K=4096): worst 128-column block
@@ -662,15 +623,10 @@ def blockwise_modes(cfg: MMConfig) -> Tuple[int, bool, bool]:
     return scale_mode, per_tile and BLOCKWISE_SCALE_BLOCK % cfg.block_n == 0, promote
 
 
-def blockwise_two_steps(cfg: MMConfig) -> bool:
-    """Variant bit 8: two K steps per loop iteration (see BLOCKWISE_VARIANTS)."""
-    return bool(cfg.variant & 8)
-
-
 def effective_blockwise_variant(cfg: MMConfig) -> int:
     """The variant that really runs for `cfg` (bit 2 dropped where BLOCK_N does not divide 128)."""
     scale_mode, per_tile, promote = blockwise_modes(cfg)
-    return scale_mode | (2 if per_tile else 0) | (4 if promote else 0) | (8 if blockwise_two_steps(cfg) else 0)
+    return scale_mode | (2 if per_tile else 0) | (4 if promote else 0)
 
 
 def scaled_mm_blockwise(
@@ -690,12 +646,8 @@ def scaled_mm_blockwise(
 
     def launch(cfg: MMConfig) -> torch.Tensor:
         scale_mode, sb_per_tile, promote = blockwise_modes(cfg)
-        two_steps = blockwise_two_steps(cfg)
         split = _effective_split(k, cfg, choose_split_k(m, n, k, cfg, a2d.device))
         k_per_split, even_k = _k_partition(k, cfg, split)
-        if two_steps:
-            # unmasked loads only where every split has whole pairs of steps
-            even_k = even_k and k % (2 * cfg.block_k) == 0 and k_per_split % (2 * cfg.block_k) == 0
         ws = dummy
         if split > 1:
             ws = torch.empty((split, m, n), dtype=torch.float32, device=a2d.device)
@@ -708,8 +660,7 @@ def scaled_mm_blockwise(
             HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=even_k,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             SCALE_BLOCK=BLOCKWISE_SCALE_BLOCK, SCALE_MODE=scale_mode, SB_PER_TILE=sb_per_tile,
-            PROMOTE=promote, TWO_STEPS=two_steps, INTERPRET=INTERPRET, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            PROMOTE=promote, INTERPRET=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if split > 1:
             common = dict(SCALE_A_PER_ROW=False, SCALE_B_PER_COL=False, HAS_BIAS=bias is not None,
