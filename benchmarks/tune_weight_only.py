@@ -161,6 +161,7 @@ def dry_run():
 # --census: compile for sm90 without a GPU (Triton's bundled ptxas / cuobjdump)
 # ---------------------------------------------------------------------------------------------------
 def census(ms):
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -179,11 +180,13 @@ def census(ms):
                 continue
             seen.add(k)
             fn = kw._wo_gemv_kernel if c["kernel"] == "gemv" else kw._wo_mm_kernel
+            mma = fn is kw._wo_mm_kernel
+            scale = kw._scale_code(c, 2, mma)  # W4A16 g128 on K = 256 .. : several groups
             consts = dict(BITS=4, GROUP_FIELDS=8, HAS_ZERO=False, HAS_BIAS=False, SPLIT=True, BLOCK_M=c["block_m"],
-                          BLOCK_N=c["block_n"], CHUNKS=c["chunks"], CONVERT=kw._CONVERTS[c["convert"]],
-                          INTERPRET=False)
-            if fn is kw._wo_mm_kernel:
-                consts["FUSED_REDUCE"] = True
+                          BLOCK_N=c["block_n"], CHUNKS=c["chunks"], SCALE=scale, FUSED_REDUCE=True, INTERPRET=False,
+                          CONVERT=kw._convert_code(c, torch.bfloat16, torch.float32, 4, mma, scale != 0))
+            if not mma:
+                consts["BLOCK_M_P2"] = triton.next_power_of_2(c["block_m"])
             sig = {a: ("constexpr" if a in consts else ptr.get(a, "i32")) for a in fn.arg_names}
             attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
             t0 = time.time()
