@@ -109,6 +109,17 @@ class Spy:
         return launch
 
 
+def launch_spied(monkeypatch, x, qw, t, splits, bias=None):
+    """fused_mm with tile t (one launch of t's kernel), and that launch's keyword arguments."""
+    name = "_wo_gemv_kernel" if t["kernel"] == "gemv" else "_wo_mm_kernel"
+    spy = Spy(getattr(kw, name))
+    monkeypatch.setattr(kw, name, spy)
+    out = run(x, qw, t, splits, bias)
+    monkeypatch.undo()
+    assert len(spy.calls) == 1
+    return out, spy.calls[0]
+
+
 # ---------------------------------------------------------------------------------------------------
 # the in-place converter, exhaustively
 # ---------------------------------------------------------------------------------------------------
@@ -220,12 +231,9 @@ def test_variant_gemm_vs_fp32_reference(case, monkeypatch):
     qw = make_qw(n, k, bits, group, sym)
     x = torch.randn(m, k).to(dtype)
     bias = torch.randn(n).to(dtype) if has_bias else None
-    name = "_wo_gemv_kernel" if t["kernel"] == "gemv" else "_wo_mm_kernel"
-    spy = Spy(getattr(kw, name))
-    monkeypatch.setattr(kw, name, spy)
-    out = run(x, qw, t, splits, bias)
-    assert len(spy.calls) == 1 and spy.calls[0]["CHUNKS"] == t["chunks"]
-    assert spy.calls[0]["CONVERT"] == kw._CONVERTS[t["convert"]] and spy.calls[0]["BLOCK_N"] == t["block_n"]
+    out, call = launch_spied(monkeypatch, x, qw, t, splits, bias)
+    assert call["CHUNKS"] == t["chunks"]
+    assert call["CONVERT"] == kw._CONVERTS[t["convert"]] and call["BLOCK_N"] == t["block_n"]
     assert out.shape == (m, n) and out.dtype == dtype
     assert_close_to_ref(out, x, qw.dequantize(dtype), bias, _case_id(case))
 
@@ -270,13 +278,8 @@ def test_nan_in_x_stays_in_its_row():
 # ---------------------------------------------------------------------------------------------------
 def run_spied(monkeypatch, x, qw, t, splits, bias=None):
     """fused_mm with tile t, and the CONVERT it launched with."""
-    name = "_wo_gemv_kernel" if t["kernel"] == "gemv" else "_wo_mm_kernel"
-    spy = Spy(getattr(kw, name))
-    monkeypatch.setattr(kw, name, spy)
-    out = run(x, qw, t, splits, bias)
-    monkeypatch.undo()
-    assert len(spy.calls) == 1
-    return out, spy.calls[0]["CONVERT"]
+    out, call = launch_spied(monkeypatch, x, qw, t, splits, bias)
+    return out, call["CONVERT"]
 
 
 # (variant, M, K, N, bits, group, symmetric, dtype, splits, bias): int4 in both dtypes, int8 in float16; every
@@ -413,11 +416,7 @@ def test_scale_after_gemm_vs_unrounded_weights(case, monkeypatch):
     qw = make_qw(n, k, bits, group, sym, scale_dtype=scale_dtype)
     x = torch.randn(m, k).to(dtype)
     bias = torch.randn(n).to(dtype) if has_bias else None
-    name = "_wo_gemv_kernel" if t["kernel"] == "gemv" else "_wo_mm_kernel"
-    spy = Spy(getattr(kw, name))
-    monkeypatch.setattr(kw, name, spy)
-    out = run(x, qw, t, splits, bias)
-    call = spy.calls[0]
+    out, call = launch_spied(monkeypatch, x, qw, t, splits, bias)
     assert call["SCALE"] == want_scale
     if t["convert"] == "packed" and (bits == 4 or dtype == F16):
         assert call["CONVERT"] == kw._CONVERTS["packed"]  # any scale dtype once the scale comes after

@@ -306,6 +306,17 @@ def _lane(bits, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _magic_pair(v, BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """(v & MASK) | (MAGIC, MAGIC): the DTYPE pair (MAGIC + u_lo, MAGIC + u_hi) of the packed conversions
+    (the interpreter twins compute with it; the PTX does the same in its LOP3)."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if DTYPE == tl.bfloat16:
+        return (v & (MASK | (MASK << 16))) | 0x43004300
+    else:
+        return (v & (MASK | (MASK << 16))) | 0x64006400
+
+
+@triton.jit
 def _pair_convert(v, nz, ss, BITS: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """w_hat of the two fields at bits 0..BITS-1 (lo) and 16..16+BITS-1 (hi) of v, in DTYPE, with
     packed 16-bit arithmetic ("packed" conversion): t = (v & MASK) | (MAGIC, MAGIC) is the DTYPE pair
@@ -317,11 +328,7 @@ def _pair_convert(v, nz, ss, BITS: tl.constexpr, DTYPE: tl.constexpr, INTERPRET:
     packed operands in float32 (exact up to the one rounding), so the CPU tests check the pair and group
     bookkeeping bit for bit and the GPU tests the PTX."""
     if INTERPRET:
-        MASK: tl.constexpr = (1 << BITS) - 1
-        if DTYPE == tl.bfloat16:
-            t = (v & (MASK | (MASK << 16))) | 0x43004300
-        else:
-            t = (v & (MASK | (MASK << 16))) | 0x64006400
+        t = _magic_pair(v, BITS, DTYPE)
         lo = cast_to((_lane(t, DTYPE) + _lane(nz, DTYPE)) * _lane(ss, DTYPE), DTYPE, INTERPRET)
         hi = cast_to((_lane(t >> 16, DTYPE) + _lane(nz >> 16, DTYPE)) * _lane(ss >> 16, DTYPE), DTYPE, INTERPRET)
     else:
@@ -343,11 +350,7 @@ def _pair_minus_zero(v, nz, BITS: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: 
     first two steps of `_pair_convert` (LOP3 + one HFMA2 per two weights), for kernels that apply the
     scale after the dot. The interpreter's twin adds the same lanes in float32 (exact)."""
     if INTERPRET:
-        MASK: tl.constexpr = (1 << BITS) - 1
-        if DTYPE == tl.bfloat16:
-            t = (v & (MASK | (MASK << 16))) | 0x43004300
-        else:
-            t = (v & (MASK | (MASK << 16))) | 0x64006400
+        t = _magic_pair(v, BITS, DTYPE)
         lo = cast_to(_lane(t, DTYPE) + _lane(nz, DTYPE), DTYPE, INTERPRET)
         hi = cast_to(_lane(t >> 16, DTYPE) + _lane(nz >> 16, DTYPE), DTYPE, INTERPRET)
     else:
@@ -637,19 +640,29 @@ def _last_split_reduces(part_ptr, bias_ptr, out_ptr, count_ptr, splits, M, N, of
 
 
 @triton.jit
-def _gemv_row(acc, w, x_row, k, row: tl.constexpr, M, m0, k_end, stride_xm):
-    """acc += w * x[m0 + row, k] (float32); x is masked to 0 from k_end on, and everywhere for a row
-    past M - 1 (its limit drops to 0)."""
+def _gemv_row(acc, w, x_row, k, row: tl.constexpr, M, m0, k_end, stride_xm, FIRST: tl.constexpr):
+    """acc + w * x[m0 + row, k] (float32), or with FIRST (a group's first term) the product alone, not a
+    zeroed tile plus one; x is masked to 0 from k_end on, and everywhere for a row past M - 1 (its limit
+    drops to 0)."""
     k_lim = tl.where(m0 + row < M, k_end, 0)
-    xv = tl.load(x_row + row * stride_xm + k, mask=k < k_lim, other=0.0)
-    return acc + w * xv.to(tl.float32)
+    xw = w * tl.load(x_row + row * stride_xm + k, mask=k < k_lim, other=0.0).to(tl.float32)
+    if FIRST:
+        return xw
+    else:
+        return acc + xw
 
 
 @triton.jit
-def _gemv_first(w, x_row, k, row: tl.constexpr, M, m0, k_end, stride_xm):
-    """w * x[m0 + row, k]: a group's first term (a product, not a zeroed tile plus one)."""
-    k_lim = tl.where(m0 + row < M, k_end, 0)
-    return w * tl.load(x_row + row * stride_xm + k, mask=k < k_lim, other=0.0).to(tl.float32)
+def _gemv_rows(a0, a1, a2, a3, w, x_row, k, M, m0, k_end, stride_xm, BLOCK_M: tl.constexpr, FIRST: tl.constexpr):
+    """`_gemv_row` for each of the program's rows (BLOCK_M <= 4; the tiles of absent rows are returned as is)."""
+    a0 = _gemv_row(a0, w, x_row, k, 0, M, m0, k_end, stride_xm, FIRST)
+    if BLOCK_M > 1:
+        a1 = _gemv_row(a1, w, x_row, k, 1, M, m0, k_end, stride_xm, FIRST)
+    if BLOCK_M > 2:
+        a2 = _gemv_row(a2, w, x_row, k, 2, M, m0, k_end, stride_xm, FIRST)
+    if BLOCK_M > 3:
+        a3 = _gemv_row(a3, w, x_row, k, 3, M, m0, k_end, stride_xm, FIRST)
+    return a0, a1, a2, a3
 
 
 @triton.jit
@@ -718,14 +731,8 @@ def _wo_gemv_kernel(
                 if i % GROUP_FIELDS == 0:
                     s, zm = _group_params(s_ptr, z_ptr, k_field, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS)
                 w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET)
-                w = w.to(tl.float32)
-                acc0 = _gemv_row(acc0, w, x_row, k, 0, M, m0, k_end, stride_xm)
-                if BLOCK_M > 1:
-                    acc1 = _gemv_row(acc1, w, x_row, k, 1, M, m0, k_end, stride_xm)
-                if BLOCK_M > 2:
-                    acc2 = _gemv_row(acc2, w, x_row, k, 2, M, m0, k_end, stride_xm)
-                if BLOCK_M > 3:
-                    acc3 = _gemv_row(acc3, w, x_row, k, 3, M, m0, k_end, stride_xm)
+                acc0, acc1, acc2, acc3 = _gemv_rows(acc0, acc1, acc2, acc3, w.to(tl.float32), x_row, k, M, m0, k_end,
+                                                    stride_xm, BLOCK_M, False)
             else:
                 if i % GROUP_FIELDS == 0:
                     zm = _group_zero(z_ptr, k_field, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS)
@@ -734,30 +741,11 @@ def _wo_gemv_kernel(
                 else:
                     w = _codes_minus_zero(words, i * BITS, (1 << BITS) - 1, zm)
                 if SCALE == 2:
-                    acc0 = _gemv_row(acc0, w, x_row, k, 0, M, m0, k_end, stride_xm)
-                    if BLOCK_M > 1:
-                        acc1 = _gemv_row(acc1, w, x_row, k, 1, M, m0, k_end, stride_xm)
-                    if BLOCK_M > 2:
-                        acc2 = _gemv_row(acc2, w, x_row, k, 2, M, m0, k_end, stride_xm)
-                    if BLOCK_M > 3:
-                        acc3 = _gemv_row(acc3, w, x_row, k, 3, M, m0, k_end, stride_xm)
+                    acc0, acc1, acc2, acc3 = _gemv_rows(acc0, acc1, acc2, acc3, w, x_row, k, M, m0, k_end, stride_xm,
+                                                        BLOCK_M, False)
                 else:
-                    if i % GROUP_FIELDS == 0:
-                        grp0 = _gemv_first(w, x_row, k, 0, M, m0, k_end, stride_xm)
-                        if BLOCK_M > 1:
-                            grp1 = _gemv_first(w, x_row, k, 1, M, m0, k_end, stride_xm)
-                        if BLOCK_M > 2:
-                            grp2 = _gemv_first(w, x_row, k, 2, M, m0, k_end, stride_xm)
-                        if BLOCK_M > 3:
-                            grp3 = _gemv_first(w, x_row, k, 3, M, m0, k_end, stride_xm)
-                    else:
-                        grp0 = _gemv_row(grp0, w, x_row, k, 0, M, m0, k_end, stride_xm)
-                        if BLOCK_M > 1:
-                            grp1 = _gemv_row(grp1, w, x_row, k, 1, M, m0, k_end, stride_xm)
-                        if BLOCK_M > 2:
-                            grp2 = _gemv_row(grp2, w, x_row, k, 2, M, m0, k_end, stride_xm)
-                        if BLOCK_M > 3:
-                            grp3 = _gemv_row(grp3, w, x_row, k, 3, M, m0, k_end, stride_xm)
+                    grp0, grp1, grp2, grp3 = _gemv_rows(grp0, grp1, grp2, grp3, w, x_row, k, M, m0, k_end, stride_xm,
+                                                        BLOCK_M, i % GROUP_FIELDS == 0)
                     if i % GROUP_FIELDS == GROUP_FIELDS - 1:
                         # groups are powers of two here (32 .. 256): a shift, not an integer division
                         g = tl.minimum(k_field >> group_shift, num_groups - 1)
