@@ -112,7 +112,7 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
     table = kw._table(dev)
     if m >= table["cublas_min_m"]:
         return "dequant+cublas"
-    tile = kw.pick_tile(m, dev)
+    tile = kw.pick_tile(m, dev, bits)
     grid = -(-n // tile["block_n"]) * -(-m // tile["block_m"])
     chunks = -(-k // kw.chunk_codes(bits))
     splits = max(1, min(chunks, tile["programs_per_sm"] * kw._num_sms(dev) // max(1, grid)))

@@ -556,8 +556,7 @@ def test_packed_gemm_equals_inplace_and_reference_gpu(bits, dtype, tile, convert
 # ---------------------------------------------------------------------------------------------------
 # (e) the scale after the sums (tile scale "after" / "auto")
 # ---------------------------------------------------------------------------------------------------
-SCALE_AFTER_TILES = [
-    next(t for t in kw._DISPATCH["sm90"]["tiles"] if t["max_m"] == 1),  # the shipped M = 1 GEMV
+SCALE_AFTER_TILES = [t for t in kw._DISPATCH["sm90"]["tiles"] if t["max_m"] == 1] + [  # the shipped M = 1 GEMVs
     dict(max_m=16, block_m=16, block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, chunks=1, kernel="mma",
          convert="packed", scale="after"),
 ]

@@ -498,6 +498,19 @@ def test_bad_tiles_raise():
     run(x, qw, tile("gemv", block_m=2, chunks=4, scale="after"), 1)  # the GEMV keeps chunks apart
 
 
+def test_pick_from_bits_rows():
+    """A row naming `bits` serves only weights of that width; the others fall through to the next row."""
+    tiles = [dict(max_m=1, bits=8, block_n=128), dict(max_m=1, block_n=64), dict(max_m=16, block_n=32)]
+    assert kw.pick_from(tiles, 1, 8)["block_n"] == 128
+    assert kw.pick_from(tiles, 1, 4)["block_n"] == 64
+    assert kw.pick_from(tiles, 2, 8)["block_n"] == 32
+    assert kw.pick_from(tiles, 99, 4)["block_n"] == 32  # past the last max_m: the last row
+    sm90 = kw._DISPATCH["sm90"]["tiles"]
+    assert kw.pick_from(sm90, 1, 4)["kernel"] == kw.pick_from(sm90, 1, 8)["kernel"] == "gemv"
+    with pytest.raises(ValueError, match="bits"):
+        kw.check_tile(dict(tile(), bits=3))
+
+
 def test_shipped_tiles_are_valid():
     """Every shipped tile is one the kernels can run, in ascending max_m; a gemv tile covers at most 4 rows
     per program (more rows would re-stream the weight once per row block)."""

@@ -80,7 +80,8 @@ def chunk_codes(bits: int) -> int:
     return WORDS_PER_CHUNK * codes_per_word(bits)
 
 
-# Launch configurations, keyed by architecture. Each entry: rows M up to `max_m` use this tile.
+# Launch configurations, keyed by architecture. Each entry: rows M up to `max_m` use this tile (an entry
+# with `bits` only for weights of that width: `pick_from`).
 # `programs_per_sm`: split-K target (decode). cublas_min_m: from this M on, dequantize once + cuBLAS.
 # `chunks`: chunks of 16 words per K-loop iteration; `kernel`: "mma" (tensor cores) or "gemv" (no tensor
 # cores, block_m <= 4); `convert`: "shift", "inplace" or "packed" (same w_hat; "packed" where
@@ -102,6 +103,9 @@ _DISPATCH = {
             # weight), 8 programs per SM (tune_weight_only_gemv2.json, W4A16 g128: 1.04-1.21x the tensor-core
             # tile below on the five shapes, 1.82-2.57x bf16; the same GEMV scaling each weight first: 1.3x
             # slower, tune_weight_only_krule.json). From M = 2 the tensor-core tiles win.
+            # int8 weights: 128 columns per program (tune_weight_only_w8.json, W8A16 per channel)
+            dict(max_m=1, bits=8, block_m=1, block_n=128, num_warps=4, num_stages=2, programs_per_sm=8, chunks=1,
+                 kernel="gemv", convert="inplace", scale="auto"),
             dict(max_m=1, block_m=1, block_n=64, num_warps=4, num_stages=2, programs_per_sm=8, chunks=1,
                  kernel="gemv", convert="inplace", scale="auto"),
             dict(max_m=16, block_m=16, block_n=128, num_warps=4, num_stages=3, programs_per_sm=4,
@@ -853,11 +857,16 @@ def dequantize(qweight, scales, zeros, bits: int, group_size: int, k: int, dtype
     return out
 
 
-def pick_tile(m: int, device: torch.device) -> dict:
-    for tile in _table(device)["tiles"]:
-        if m <= tile["max_m"]:
+def pick_from(tiles, m: int, bits: int) -> dict:
+    """The first tile covering M rows whose `bits` (when it names one) is the weights' bit width."""
+    for tile in tiles:
+        if m <= tile["max_m"] and tile.get("bits", bits) == bits:
             return tile
-    return _table(device)["tiles"][-1]
+    return tiles[-1]
+
+
+def pick_tile(m: int, device: torch.device, bits: int = 4) -> dict:
+    return pick_from(_table(device)["tiles"], m, bits)
 
 
 _KERNELS = ("mma", "gemv")
@@ -909,6 +918,8 @@ def check_tile(tile: dict) -> None:
         raise ValueError(f"tile kernel: expected one of {_KERNELS}, got {kind!r}")
     if tile.get("convert", "shift") not in _CONVERTS:
         raise ValueError(f"tile convert: expected one of {tuple(_CONVERTS)}, got {tile.get('convert')!r}")
+    if tile.get("bits", 4) not in (4, 8):
+        raise ValueError(f"tile bits: expected 4 or 8 (the weights a table row is for), got {tile.get('bits')!r}")
     if tile.get("scale", "before") not in _SCALES:
         raise ValueError(f"tile scale: expected one of {_SCALES}, got {tile.get('scale')!r}")
     pow2 = lambda v: isinstance(v, int) and v > 0 and v & (v - 1) == 0  # noqa: E731
@@ -974,7 +985,7 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     possibly fewer)."""
     m, k = x2d.shape
     if tile is None:
-        tile = pick_tile(m, x2d.device)  # the shipped table (checked by the tests, not on every call)
+        tile = pick_tile(m, x2d.device, bits)  # the shipped table (checked by the tests, not on every call)
     else:
         check_tile(tile)
     block_m, block_n = tile["block_m"], tile["block_n"]
