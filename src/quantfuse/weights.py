@@ -29,6 +29,32 @@ def _chunk(bits: int) -> int:
     return WORDS_PER_CHUNK * (32 // bits)
 
 
+def check_quantized_weight(qw: "QuantizedWeight", name: str = "qw") -> None:
+    """Raise ValueError / TypeError unless qw's fields agree with each other and with what the kernels read
+    (bits 4 / 8; group size 32..256 or -1: the kernels locate groups by 16-code fields and power-of-two
+    group sizes; words [N, K_pad / (32 / bits)] int32; scales [G, N] with G = ceil(K / group) (1 per channel);
+    zeros int32 [G, N] or None; perm int64 [K] or None). Shapes and dtypes only: no data is read."""
+    if qw.bits not in VALID_BITS:
+        raise ValueError(f"{name}: expected bits in {VALID_BITS}, got {qw.bits}")
+    if qw.group_size not in VALID_GROUP_SIZES:
+        raise ValueError(f"{name}: expected group_size in {VALID_GROUP_SIZES}, got {qw.group_size}")
+    n, k = qw.shape
+    if n < 1 or k < 1 or k % 8:
+        raise ValueError(f"{name}: expected shape (N >= 1, K a positive multiple of 8), got {qw.shape}")
+    words = -(-k // _chunk(qw.bits)) * WORDS_PER_CHUNK
+    if qw.qweight.dtype != torch.int32 or tuple(qw.qweight.shape) != (n, words):
+        raise ValueError(f"{name}: expected qweight int32 of shape ({n}, {words}) for shape {qw.shape} and "
+                         f"bits={qw.bits}, got {qw.qweight.dtype} {tuple(qw.qweight.shape)}")
+    groups = 1 if qw.group_size == -1 else -(-k // qw.group_size)
+    if qw.scales.dim() != 2 or tuple(qw.scales.shape) != (groups, n):
+        raise ValueError(f"{name}: expected scales of shape ({groups}, {n}) (groups, N), got {tuple(qw.scales.shape)}")
+    if qw.zeros is not None and (qw.zeros.dtype != torch.int32 or tuple(qw.zeros.shape) != (groups, n)):
+        raise ValueError(f"{name}: expected int32 zeros of shape ({groups}, {n}), got {qw.zeros.dtype} "
+                         f"{tuple(qw.zeros.shape)}")
+    if qw.perm is not None and (qw.perm.dtype != torch.int64 or tuple(qw.perm.shape) != (k,)):
+        raise ValueError(f"{name}: expected an int64 perm of shape ({k},), got {qw.perm.dtype} {tuple(qw.perm.shape)}")
+
+
 def _to_int32_words(words64: torch.Tensor) -> torch.Tensor:
     """Reinterpret values in [0, 2^32) (int64) as int32 bit patterns."""
     return torch.where(words64 >= 2**31, words64 - 2**32, words64).to(torch.int32)
@@ -167,6 +193,7 @@ class QuantizedWeight:
         """w_hat [N, K] = round(dtype, (q - z) * s), original column order."""
         from .ops import _dequantize_weight
 
+        check_quantized_weight(self, "QuantizedWeight")
         w = _dequantize_weight(self.qweight, self.scales, self.zeros, self.bits, self.group_size,
                                self.shape[1], dtype)
         if self.perm is not None:

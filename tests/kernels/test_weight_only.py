@@ -539,3 +539,23 @@ def test_bad_arguments():
     bad_scales = QuantizedWeight(qw.qweight, qw.scales.double(), qw.zeros, qw.bits, qw.group_size, qw.shape)
     with pytest.raises(TypeError, match="qw: expected scales"):
         ops.weight_only_mm(torch.randn(2, 64).half(), bad_scales)
+    # fields that disagree: refused before any launch (a group size the kernels cannot place would compute
+    # silently wrong sums)
+    u = qw.biased_codes()
+    x = torch.randn(2, 64).half()
+    for bad, match in [
+        (QuantizedWeight.from_codes(u, qw.scales, qw.zeros, qw.bits, 48), "group_size"),
+        (QuantizedWeight(qw.qweight, qw.scales, qw.zeros, 3, qw.group_size, qw.shape), "bits"),
+        (QuantizedWeight(qw.qweight[:, :4].contiguous(), qw.scales, qw.zeros, qw.bits, qw.group_size, qw.shape),
+         "qweight"),
+        (QuantizedWeight(qw.qweight, qw.scales[:, :8].contiguous(), qw.zeros, qw.bits, qw.group_size, qw.shape),
+         "scales of shape"),
+        (QuantizedWeight(qw.qweight, qw.scales, qw.scales.to(torch.int64), qw.bits, qw.group_size, qw.shape),
+         "zeros"),
+        (QuantizedWeight(qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size, qw.shape,
+                         torch.arange(63)), "perm"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            ops.weight_only_mm(x, bad)
+        with pytest.raises(ValueError, match=match):
+            bad.dequantize(torch.float16)
