@@ -402,6 +402,11 @@ SCALE_CASES = [
      False, torch.float16, 1),
     (tile(block_m=32, block_n=64, chunks=1, convert="packed", scale="after"), 3, 200, 100, 4, -1, False, BF16, 1, True,
      torch.bfloat16, 2),
+    # tiny: K = 8 (one chunk, 120 padded codes), N = 1; K = 40 with group 32 (a partial second group)
+    (tile("gemv", block_m=1, block_n=16, chunks=1, convert="inplace", scale="auto"), 1, 8, 1, 4, -1, False, F16, 1,
+     True, torch.float32, 2),
+    (tile("gemv", block_m=1, block_n=16, chunks=2, convert="inplace", scale="auto"), 1, 40, 3, 8, 32, False, BF16, 1,
+     False, torch.float32, 1),
 ]
 
 
