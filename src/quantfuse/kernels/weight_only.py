@@ -166,27 +166,20 @@ def _codes_minus_zero(words, SHIFT: tl.constexpr, MASK: tl.constexpr, zero_plus_
 
 @triton.jit
 def _group_params(s_ptr, z_ptr, k_start, group_size, num_groups, N, offs_n, n_mask,
-                  HAS_ZERO: tl.constexpr, BITS: tl.constexpr):
-    """Scale [BLOCK_N] and 2^23 + zero point [BLOCK_N] of the group holding k_start."""
+                  HAS_ZERO: tl.constexpr, BITS: tl.constexpr, NEED_SCALE: tl.constexpr):
+    """Scale [BLOCK_N] and 2^23 + zero point [BLOCK_N] of the group holding k_start (NEED_SCALE False:
+    kernels that scale after the dot; no scale is loaded and s is 1)."""
     g = tl.minimum(k_start // group_size, num_groups - 1)
-    # scales may be stored as float16 / bfloat16 (then exactly representable): widening is exact
-    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if NEED_SCALE:
+        # scales may be stored as float16 / bfloat16 (then exactly representable): widening is exact
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    else:
+        s = tl.full((g * N + offs_n).shape, 1.0, tl.float32)
     if HAS_ZERO:
         z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
     else:
         z = tl.full(s.shape, 2 ** (BITS - 1), tl.float32)
     return s, z + 8388608.0
-
-
-@triton.jit
-def _group_zero(z_ptr, k_start, group_size, num_groups, N, offs_n, n_mask, HAS_ZERO: tl.constexpr, BITS: tl.constexpr):
-    """2^23 + zero point of the group holding k_start (`_group_params` without the scale)."""
-    if HAS_ZERO:
-        g = tl.minimum(k_start // group_size, num_groups - 1)
-        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
-    else:
-        z = tl.full(offs_n.shape, 2 ** (BITS - 1), tl.float32)
-    return z + 8388608.0
 
 
 @triton.jit
@@ -211,16 +204,25 @@ def _field_minus_zero(words, words_hi, field_mask, I: tl.constexpr, BITS: tl.con
 
 
 @triton.jit
-def _dequant_field(words, words_hi, field_mask, I: tl.constexpr, BITS: tl.constexpr, s, zm,
-                   CONVERT: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """w_hat of field I: round(DTYPE, float32(u - z) * s), zm = 2^23 + z (from `_group_params`).
-    CONVERT 0: shift + mask + magic 2^23 (`_codes_minus_zero`); 1: in place (`_field_minus_zero`).
-    Both give the exact u - z, so both give the same w_hat bit for bit."""
+def _field_exact(words, words_hi, field_mask, I: tl.constexpr, BITS: tl.constexpr, zm, CONVERT: tl.constexpr):
+    """u - z of field I, exact, as float32, zm = 2^23 + z (from `_group_params`). CONVERT 0: shift + mask
+    + magic 2^23 (`_codes_minus_zero`); 1: in place (`_field_minus_zero`). Both give the exact u - z."""
     if CONVERT == 1:
-        d = _field_minus_zero(words, words_hi, field_mask, I, BITS, zm - 8388608.0)
+        return _field_minus_zero(words, words_hi, field_mask, I, BITS, zm - 8388608.0)
     else:
-        d = _codes_minus_zero(words, I * BITS, (1 << BITS) - 1, zm)
-    return cast_to(d * s, DTYPE, INTERPRET)
+        return _codes_minus_zero(words, I * BITS, (1 << BITS) - 1, zm)
+
+
+@triton.jit
+def _dequant_field(words, words_hi, field_mask, I: tl.constexpr, BITS: tl.constexpr, s, zm,
+                   CONVERT: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr, SCALED: tl.constexpr):
+    """Field I as a DTYPE dot operand: w_hat = round(DTYPE, float32(u - z) * s) (SCALED), or the exact
+    u - z (kernels that scale after the dot). Every CONVERT gives the same values bit for bit."""
+    d = _field_exact(words, words_hi, field_mask, I, BITS, zm, CONVERT)
+    if SCALED:
+        return cast_to(d * s, DTYPE, INTERPRET)
+    else:
+        return cast_to(d, DTYPE, INTERPRET)
 
 
 def _pair_asm(mask: int, magic: int, one: int, ty: str) -> str:
@@ -241,7 +243,8 @@ def _pair_asm(mask: int, magic: int, one: int, ty: str) -> str:
 
 
 def _pair_sub_asm(mask: int, magic: int, one: int, ty: str) -> str:
-    """PTX of `_pair_minus_zero`: `_pair_asm` without the scaling, $0 / $1 = u - z of the low / high half."""
+    """PTX of `_pair_convert` with SCALED False: `_pair_asm` without the scaling, $0 / $1 = u - z of the low /
+    high half."""
     return ("{\n.reg .b32 t, one;\n"
             f"mov.b32 one, {one:#010x};\n"
             f"lop3.b32 t, $2, {mask:#010x}, {magic:#010x}, 0xEA;\n"  # (a & b) | c
@@ -321,7 +324,8 @@ def _magic_pair(v, BITS: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _pair_convert(v, nz, ss, BITS: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+def _pair_convert(v, nz, ss, BITS: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+                  SCALED: tl.constexpr):
     """w_hat of the two fields at bits 0..BITS-1 (lo) and 16..16+BITS-1 (hi) of v, in DTYPE, with
     packed 16-bit arithmetic ("packed" conversion): t = (v & MASK) | (MAGIC, MAGIC) is the DTYPE pair
     (MAGIC + u_lo, MAGIC + u_hi), exact (u < 2^7 below MAGIC = 128 for bfloat16, u < 2^10 below 1024 for
@@ -330,12 +334,18 @@ def _pair_convert(v, nz, ss, BITS: tl.constexpr, DTYPE: tl.constexpr, INTERPRET:
     a <= 9-bit integer and an 8- / 11-bit significand is exact. Three instructions (LOP3, HFMA2, HFMA2)
     per two weights. The interpreter cannot run PTX: there the twin does the same arithmetic on the same
     packed operands in float32 (exact up to the one rounding), so the CPU tests check the pair and group
-    bookkeeping bit for bit and the GPU tests the PTX."""
+    bookkeeping bit for bit and the GPU tests the PTX. SCALED False (kernels that scale after the dot; ss
+    unused): the first two steps alone, the exact u - z pair (LOP3 + one HFMA2 per two weights)."""
     if INTERPRET:
         t = _magic_pair(v, BITS, DTYPE)
-        lo = cast_to((_lane(t, DTYPE) + _lane(nz, DTYPE)) * _lane(ss, DTYPE), DTYPE, INTERPRET)
-        hi = cast_to((_lane(t >> 16, DTYPE) + _lane(nz >> 16, DTYPE)) * _lane(ss >> 16, DTYPE), DTYPE, INTERPRET)
-    else:
+        lo = _lane(t, DTYPE) + _lane(nz, DTYPE)
+        hi = _lane(t >> 16, DTYPE) + _lane(nz >> 16, DTYPE)
+        if SCALED:
+            lo = lo * _lane(ss, DTYPE)
+            hi = hi * _lane(ss >> 16, DTYPE)
+        lo = cast_to(lo, DTYPE, INTERPRET)
+        hi = cast_to(hi, DTYPE, INTERPRET)
+    elif SCALED:
         if DTYPE == tl.bfloat16:
             lo, hi = tl.inline_asm_elementwise(_PAIR_ASM_BF16_INT4, "=h,=h,r,r,r", [v, nz, ss],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
@@ -345,18 +355,6 @@ def _pair_convert(v, nz, ss, BITS: tl.constexpr, DTYPE: tl.constexpr, INTERPRET:
         else:
             lo, hi = tl.inline_asm_elementwise(_PAIR_ASM_F16_INT8, "=h,=h,r,r,r", [v, nz, ss],
                                                dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-    return lo, hi
-
-
-@triton.jit
-def _pair_minus_zero(v, nz, BITS: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """u - z of the two fields at bits 0..BITS-1 (lo) and 16..16+BITS-1 (hi) of v, exact, in DTYPE: the
-    first two steps of `_pair_convert` (LOP3 + one HFMA2 per two weights), for kernels that apply the
-    scale after the dot. The interpreter's twin adds the same lanes in float32 (exact)."""
-    if INTERPRET:
-        t = _magic_pair(v, BITS, DTYPE)
-        lo = cast_to(_lane(t, DTYPE) + _lane(nz, DTYPE), DTYPE, INTERPRET)
-        hi = cast_to(_lane(t >> 16, DTYPE) + _lane(nz >> 16, DTYPE), DTYPE, INTERPRET)
     else:
         if DTYPE == tl.bfloat16:
             lo, hi = tl.inline_asm_elementwise(_PAIR_SUB_BF16_INT4, "=h,=h,r,r", [v, nz],
@@ -410,22 +408,23 @@ def _group_scale(s_ptr, k, group_size, num_groups, N, offs_n, n_mask):
 
 
 @triton.jit
-def _scaled_field_dot(acc, acc_g, w, I: tl.constexpr, GROUP_FIELDS: tl.constexpr, SCALE: tl.constexpr,
+def _accumulate_field(acc, acc_g, w, I: tl.constexpr, GROUP_FIELDS: tl.constexpr, SCALE: tl.constexpr,
                       x_cols, k_base, r_k, k_end, m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask,
-                      BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    """Field I's exact u - z tile w [BLOCK_N, 1, 16] times x, scale applied after the dot (SCALE 1: the
-    group's partial sum acc_g, restarted at the group's first field, is scaled into acc after its last;
-    SCALE 2, one group for all of K: acc stays unscaled, the caller scales once at the end)."""
+                      BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Field I's dot operand w [BLOCK_N, CHUNKS, 16] times x into the accumulators. SCALE 0: w is w_hat,
+    acc += w @ x^T. Scale after the dot (w the exact u - z, CHUNKS 1): SCALE 1, the group's partial sum
+    acc_g, restarted at the group's first field, is scaled into acc after its last; SCALE 2, one group for
+    all of K: acc stays unscaled, the caller scales once at the end."""
     k = k_base + 16 * I + r_k
-    if SCALE == 2:
-        acc = _field_dot(acc, w, x_cols, k, k_end, m_mask, BLOCK_N, 1, INTERPRET)
-    else:
+    if SCALE == 1:
         if I % GROUP_FIELDS == 0:
-            acc_g = _field_dot(tl.zeros_like(acc_g), w, x_cols, k, k_end, m_mask, BLOCK_N, 1, INTERPRET)
+            acc_g = _field_dot(tl.zeros_like(acc_g), w, x_cols, k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
         else:
-            acc_g = _field_dot(acc_g, w, x_cols, k, k_end, m_mask, BLOCK_N, 1, INTERPRET)
+            acc_g = _field_dot(acc_g, w, x_cols, k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
         if I % GROUP_FIELDS == GROUP_FIELDS - 1:
             acc += acc_g * _group_scale(s_ptr, k_base + 16 * I, group_size, num_groups, N, offs_n, n_mask)
+    else:
+        acc = _field_dot(acc, w, x_cols, k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
     return acc, acc_g
 
 
@@ -520,84 +519,54 @@ def _wo_mm_kernel(
     for cc in range(c_begin, c_end, CHUNKS):
         valid, words, words_hi = _load_words(w_tile, cc, ci, nm3, c_end, CHUNKS, CONVERT)
         k_base = cc * CHUNK
-        if SCALE != 0 and CONVERT == 2:
-            # exact u - z pairs (LOP3 + HFMA2 per two weights), dots in field order as below
-            tl.static_assert(GROUP_FIELDS >= 2, "packed conversion: a group spans at least two fields")
-            nz, _ = _packed_params(s_ptr, z_ptr, k_base, 0, cc, c_end, group_size, num_groups, N, offs_n, n_mask,
-                                   HAS_ZERO, BITS, GROUP_FIELDS == FIELDS, CHUNK, CHUNKS, HALF, x_dtype, False)
-            w0, w_h0 = _pair_minus_zero(words, nz, BITS, x_dtype, INTERPRET)
-            acc, acc_g = _scaled_field_dot(acc, acc_g, w0, 0, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end, m_mask,
-                                           s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N, INTERPRET)
-            w1, w_h1 = _pair_minus_zero(words >> BITS, nz, BITS, x_dtype, INTERPRET)
-            acc, acc_g = _scaled_field_dot(acc, acc_g, w1, 1, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end, m_mask,
-                                           s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N, INTERPRET)
-            if HALF == 4:
-                if GROUP_FIELDS == 2:  # fields 2 and 6 start the next groups
-                    nz, _ = _packed_params(s_ptr, z_ptr, k_base, 2, cc, c_end, group_size, num_groups, N, offs_n,
-                                           n_mask, HAS_ZERO, BITS, False, CHUNK, CHUNKS, HALF, x_dtype, False)
-                w2, w_h2 = _pair_minus_zero(words >> (2 * BITS), nz, BITS, x_dtype, INTERPRET)
-                acc, acc_g = _scaled_field_dot(acc, acc_g, w2, 2, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
-                                               m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N,
-                                               INTERPRET)
-                w3, w_h3 = _pair_minus_zero(words >> (3 * BITS), nz, BITS, x_dtype, INTERPRET)
-                acc, acc_g = _scaled_field_dot(acc, acc_g, w3, 3, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
-                                               m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N,
-                                               INTERPRET)
-            acc, acc_g = _scaled_field_dot(acc, acc_g, w_h0, HALF, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
-                                           m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N, INTERPRET)
-            acc, acc_g = _scaled_field_dot(acc, acc_g, w_h1, HALF + 1, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
-                                           m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N, INTERPRET)
-            if HALF == 4:
-                acc, acc_g = _scaled_field_dot(acc, acc_g, w_h2, 6, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
-                                               m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N,
-                                               INTERPRET)
-                acc, acc_g = _scaled_field_dot(acc, acc_g, w_h3, 7, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
-                                               m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N,
-                                               INTERPRET)
-        elif SCALE != 0:
-            for i in tl.static_range(FIELDS):
-                if i % GROUP_FIELDS == 0:
-                    zm = _group_zero(z_ptr, k_base + 16 * i, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS)
-                if CONVERT == 1:
-                    d = _field_minus_zero(words, words_hi, field_mask, i, BITS, zm - 8388608.0)
-                else:
-                    d = _codes_minus_zero(words, i * BITS, (1 << BITS) - 1, zm)
-                acc, acc_g = _scaled_field_dot(acc, acc_g, cast_to(d, x_dtype, INTERPRET), i, GROUP_FIELDS, SCALE,
-                                               x_cols, k_base, r_k, k_end, m_mask, s_ptr, group_size, num_groups, N,
-                                               offs_n, n_mask, BLOCK_N, INTERPRET)
-        elif CONVERT == 2:
+        if CONVERT == 2:
             # Fields p and p + HALF sit at bits BITS*p and 16 + BITS*p: one shift and one packed conversion
             # per pair. The products go in field order (the low fields' now, the high fields' after them),
             # the accumulation order of the one-field conversions: the same output bit for bit.
             tl.static_assert(GROUP_FIELDS >= 2, "packed conversion: a group spans at least two fields")
             nz, ss = _packed_params(s_ptr, z_ptr, k_base, 0, cc, c_end, group_size, num_groups, N, offs_n, n_mask,
-                                    HAS_ZERO, BITS, GROUP_FIELDS == FIELDS, CHUNK, CHUNKS, HALF, x_dtype, True)
-            w0, w_h0 = _pair_convert(words, nz, ss, BITS, x_dtype, INTERPRET)
-            acc = _field_dot(acc, w0, x_cols, k_base + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
-            w1, w_h1 = _pair_convert(words >> BITS, nz, ss, BITS, x_dtype, INTERPRET)
-            acc = _field_dot(acc, w1, x_cols, k_base + 16 + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
+                                    HAS_ZERO, BITS, GROUP_FIELDS == FIELDS, CHUNK, CHUNKS, HALF, x_dtype, SCALE == 0)
+            w0, w_h0 = _pair_convert(words, nz, ss, BITS, x_dtype, INTERPRET, SCALE == 0)
+            acc, acc_g = _accumulate_field(acc, acc_g, w0, 0, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end, m_mask,
+                                           s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N, CHUNKS, INTERPRET)
+            w1, w_h1 = _pair_convert(words >> BITS, nz, ss, BITS, x_dtype, INTERPRET, SCALE == 0)
+            acc, acc_g = _accumulate_field(acc, acc_g, w1, 1, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end, m_mask,
+                                           s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N, CHUNKS, INTERPRET)
             if HALF == 4:
                 if GROUP_FIELDS == 2:  # fields 2 and 6 start the next groups
                     nz, ss = _packed_params(s_ptr, z_ptr, k_base, 2, cc, c_end, group_size, num_groups, N, offs_n,
-                                            n_mask, HAS_ZERO, BITS, False, CHUNK, CHUNKS, HALF, x_dtype, True)
-                w2, w_h2 = _pair_convert(words >> (2 * BITS), nz, ss, BITS, x_dtype, INTERPRET)
-                acc = _field_dot(acc, w2, x_cols, k_base + 16 * 2 + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
-                w3, w_h3 = _pair_convert(words >> (3 * BITS), nz, ss, BITS, x_dtype, INTERPRET)
-                acc = _field_dot(acc, w3, x_cols, k_base + 16 * 3 + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
-            acc = _field_dot(acc, w_h0, x_cols, k_base + 16 * HALF + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
-            acc = _field_dot(acc, w_h1, x_cols, k_base + 16 * (HALF + 1) + r_k, k_end, m_mask, BLOCK_N, CHUNKS,
-                             INTERPRET)
+                                            n_mask, HAS_ZERO, BITS, False, CHUNK, CHUNKS, HALF, x_dtype, SCALE == 0)
+                w2, w_h2 = _pair_convert(words >> (2 * BITS), nz, ss, BITS, x_dtype, INTERPRET, SCALE == 0)
+                acc, acc_g = _accumulate_field(acc, acc_g, w2, 2, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
+                                               m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N,
+                                               CHUNKS, INTERPRET)
+                w3, w_h3 = _pair_convert(words >> (3 * BITS), nz, ss, BITS, x_dtype, INTERPRET, SCALE == 0)
+                acc, acc_g = _accumulate_field(acc, acc_g, w3, 3, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
+                                               m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N,
+                                               CHUNKS, INTERPRET)
+            acc, acc_g = _accumulate_field(acc, acc_g, w_h0, HALF, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
+                                           m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N, CHUNKS,
+                                           INTERPRET)
+            acc, acc_g = _accumulate_field(acc, acc_g, w_h1, HALF + 1, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
+                                           m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N, CHUNKS,
+                                           INTERPRET)
             if HALF == 4:
-                acc = _field_dot(acc, w_h2, x_cols, k_base + 16 * 6 + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
-                acc = _field_dot(acc, w_h3, x_cols, k_base + 16 * 7 + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
+                acc, acc_g = _accumulate_field(acc, acc_g, w_h2, 6, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
+                                               m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N,
+                                               CHUNKS, INTERPRET)
+                acc, acc_g = _accumulate_field(acc, acc_g, w_h3, 7, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
+                                               m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N,
+                                               CHUNKS, INTERPRET)
         else:
             for i in tl.static_range(FIELDS):
                 if i % GROUP_FIELDS == 0:
                     # group of each chunk's field i (a group may end inside a chunk: GROUP_FIELDS < FIELDS)
                     s, zm = _group_params(s_ptr, z_ptr, k_base + ci * CHUNK + 16 * i, group_size, num_groups, N,
-                                          n3, valid, HAS_ZERO, BITS)
-                w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET)
-                acc = _field_dot(acc, w, x_cols, k_base + 16 * i + r_k, k_end, m_mask, BLOCK_N, CHUNKS, INTERPRET)
+                                          n3, valid, HAS_ZERO, BITS, SCALE == 0)
+                w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET, SCALE == 0)
+                acc, acc_g = _accumulate_field(acc, acc_g, w, i, GROUP_FIELDS, SCALE, x_cols, k_base, r_k, k_end,
+                                               m_mask, s_ptr, group_size, num_groups, N, offs_n, n_mask, BLOCK_N,
+                                               CHUNKS, INTERPRET)
 
     if SCALE == 2:
         acc = acc * _group_scale(s_ptr, 0, group_size, num_groups, N, offs_n, n_mask)
@@ -733,17 +702,16 @@ def _wo_gemv_kernel(
             k = k_base + 16 * i + k3
             if SCALE == 0:
                 if i % GROUP_FIELDS == 0:
-                    s, zm = _group_params(s_ptr, z_ptr, k_field, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS)
-                w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET)
+                    s, zm = _group_params(s_ptr, z_ptr, k_field, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS,
+                                          True)
+                w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET, True)
                 acc0, acc1, acc2, acc3 = _gemv_rows(acc0, acc1, acc2, acc3, w.to(tl.float32), x_row, k, M, m0, k_end,
                                                     stride_xm, BLOCK_M, False)
             else:
                 if i % GROUP_FIELDS == 0:
-                    zm = _group_zero(z_ptr, k_field, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS)
-                if CONVERT == 1:
-                    w = _field_minus_zero(words, words_hi, field_mask, i, BITS, zm - 8388608.0)
-                else:
-                    w = _codes_minus_zero(words, i * BITS, (1 << BITS) - 1, zm)
+                    _, zm = _group_params(s_ptr, z_ptr, k_field, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS,
+                                          False)
+                w = _field_exact(words, words_hi, field_mask, i, BITS, zm, CONVERT)
                 if SCALE == 2:
                     acc0, acc1, acc2, acc3 = _gemv_rows(acc0, acc1, acc2, acc3, w, x_row, k, M, m0, k_end, stride_xm,
                                                         BLOCK_M, False)
@@ -823,7 +791,7 @@ def _dequant_kernel(
     for i in tl.static_range(FIELDS):
         if i % GROUP_FIELDS == 0:
             s, zm = _group_params(s_ptr, z_ptr, c * CHUNK + 16 * i, group_size, num_groups, N,
-                                  offs_n, n_mask, HAS_ZERO, BITS)
+                                  offs_n, n_mask, HAS_ZERO, BITS, True)
         k = c * CHUNK + 16 * i + j
         w = _codes_minus_zero(words, i * BITS, MASK, zm[:, None]) * s[:, None]
         tl.store(out_rows + k[None, :], cast_to(w, out_ptr.dtype.element_ty, INTERPRET),
@@ -880,7 +848,7 @@ def packed_applies(x_dtype: torch.dtype, scale_dtype: torch.dtype, bits: int, sc
     """Whether convert="packed" is exact: MAGIC + u is exact in the activation dtype (int4 in bfloat16 or
     float16, int8 in float16 only: 128 + u needs 9 bits past bfloat16's 8), and, when the scale is applied
     before the dot (`_pair_convert`), the scales are values of the activation dtype (so the 16-bit product
-    rounds once, like the reference). With the scale after the dot (`_pair_minus_zero`) only u - z is
+    rounds once, like the reference). With the scale after the dot (`_pair_convert` unscaled) only u - z is
     converted, so any scale dtype will do."""
     return (scale_after or scale_dtype == x_dtype) and (bits == 4 or x_dtype == torch.float16)
 
@@ -979,8 +947,8 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     kernel ("mma": tensor cores, `_wo_mm_kernel`, default; "gemv": `_wo_gemv_kernel`, block_m <= 4),
     convert ("shift", default, "inplace" or "packed": the same values with fewer instructions; "packed"
     runs on the mma kernel where `packed_applies`, else as "inplace") and scale ("before", default: the
-    dot takes w_hat; "after": the dot takes u - z and the group sums are scaled, mma kernel with chunks=1
-    only; see `_wo_mm_kernel`). splits:
+    product takes w_hat; "after": it takes u - z and the group sums are scaled, on the mma kernel with
+    chunks=1 only; "auto": `_scale_code`). splits:
     force the number of K splits (rounded so every split has the same whole number of chunks, the last
     possibly fewer)."""
     m, k = x2d.shape
@@ -1008,16 +976,16 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     fused = counts is not None
     mma = kernel is _wo_mm_kernel
     scale_code = _scale_code(tile, scales.shape[0], mma)
+    group = _effective_group(group_size, k)
     if mma:
         extra = dict(FUSED_REDUCE=fused)
     else:
-        group = _effective_group(group_size, k)
-        if scale_code == 1 and group & (group - 1):
-            raise ValueError(f"group_size: the GEMV's per-group scaling needs a power of two, got {group}")
+        # group_shift: the GEMV's per-group scaling (SCALE 1) locates groups by shift; group sizes with
+        # several groups are powers of two (validated by quantfuse.ops / QuantizedWeight)
         extra = dict(group_shift=group.bit_length() - 1, FUSED_REDUCE=fused, BLOCK_M_P2=triton.next_power_of_2(block_m))
     kernel[(grid_n, splits, grid_m)](
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales,
-        out, part, counts if fused else scales, m, n, k, scales.shape[0], _effective_group(group_size, k),
+        out, part, counts if fused else scales, m, n, k, scales.shape[0], group,
         chunks_per_split, (1 << bits) - 1, splits, x2d.stride(0), qweight.stride(0), out.stride(0),
         BITS=bits, GROUP_FIELDS=_group_fields(group_size, k, bits), HAS_ZERO=zeros is not None,
         HAS_BIAS=has_bias, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKS=chunks,
