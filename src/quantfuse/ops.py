@@ -565,7 +565,7 @@ def silu_and_mul_quant(
 # ----------------------------------------------------------------------------------------------------
 __all__ += ["QuantizedWeight", "quantize_weight", "weight_only_mm"]
 
-from .weights import SCALE_DTYPES, VALID_BITS, VALID_GROUP_SIZES, QuantizedWeight, check_quantized_weight  # noqa: E402
+from .weights import VALID_BITS, VALID_GROUP_SIZES, QuantizedWeight  # noqa: E402
 from .weights import check_scale_dtype as _check_scale_dtype  # noqa: E402
 from .weights import quantize_weight as _quantize_weight_impl  # noqa: E402
 from .weights import unpack_codes as _unpack_codes  # noqa: E402
@@ -657,10 +657,7 @@ def weight_only_mm(x: Tensor, qw: QuantizedWeight, bias: Optional[Tensor] = None
     check_last_dim_contiguous("x", x)
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"qw: expected a QuantizedWeight, got {type(qw).__name__}")
-    if qw.scales.dtype not in SCALE_DTYPES:
-        raise TypeError(f"qw: expected scales of dtype float32, float16 or bfloat16, got {qw.scales.dtype}")
-    check_quantized_weight(qw)
-    n, k = qw.shape
+    n, k = qw.shape  # qw's own fields agree: QuantizedWeight checks them when it is built
     if x.shape[-1] != k:
         raise ValueError(f"x: expected last dimension K={k} (qw.shape[1]), got shape {tuple(x.shape)}")
     check_same_device("qw", qw.qweight, x)

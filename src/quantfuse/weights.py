@@ -29,11 +29,14 @@ def _chunk(bits: int) -> int:
     return WORDS_PER_CHUNK * (32 // bits)
 
 
-def check_quantized_weight(qw: "QuantizedWeight", name: str = "qw") -> None:
+def check_quantized_weight(qw: "QuantizedWeight", name: str = "QuantizedWeight") -> None:
     """Raise ValueError / TypeError unless qw's fields agree with each other and with what the kernels read
     (bits 4 / 8; group size 32..256 or -1: the kernels locate groups by 16-code fields and power-of-two
-    group sizes; words [N, K_pad / (32 / bits)] int32; scales [G, N] with G = ceil(K / group) (1 per channel);
-    zeros int32 [G, N] or None; perm int64 [K] or None). Shapes and dtypes only: no data is read."""
+    group sizes; words [N, K_pad / (32 / bits)] int32; scales [G, N] of a `SCALE_DTYPES` dtype with
+    G = ceil(K / group) (1 per channel); zeros int32 [G, N] or None; perm int64 [K] or None). Shapes and
+    dtypes only: no data is read. Run by the constructor, so every QuantizedWeight is one the kernels can use."""
+    if qw.scales.dtype not in SCALE_DTYPES:
+        raise TypeError(f"{name}: expected scales of dtype float32, float16 or bfloat16, got {qw.scales.dtype}")
     if qw.bits not in VALID_BITS:
         raise ValueError(f"{name}: expected bits in {VALID_BITS}, got {qw.bits}")
     if qw.group_size not in VALID_GROUP_SIZES:
@@ -142,6 +145,7 @@ class QuantizedWeight:
         self.group_size = int(group_size)
         self.shape = (int(shape[0]), int(shape[1]))
         self.perm = perm
+        check_quantized_weight(self)
 
     # -- construction -------------------------------------------------------------------------------
     @classmethod
@@ -193,7 +197,6 @@ class QuantizedWeight:
         """w_hat [N, K] = round(dtype, (q - z) * s), original column order."""
         from .ops import _dequantize_weight
 
-        check_quantized_weight(self, "QuantizedWeight")
         w = _dequantize_weight(self.qweight, self.scales, self.zeros, self.bits, self.group_size,
                                self.shape[1], dtype)
         if self.perm is not None:

@@ -536,26 +536,22 @@ def test_bad_arguments():
         ops.weight_only_mm(torch.randn(2, 64).half(), qw, torch.randn(15).half())
     with pytest.raises(TypeError, match="bias"):
         ops.weight_only_mm(torch.randn(2, 64).half(), qw, torch.randn(16))
-    bad_scales = QuantizedWeight(qw.qweight, qw.scales.double(), qw.zeros, qw.bits, qw.group_size, qw.shape)
-    with pytest.raises(TypeError, match="qw: expected scales"):
-        ops.weight_only_mm(torch.randn(2, 64).half(), bad_scales)
-    # fields that disagree: refused before any launch (a group size the kernels cannot place would compute
-    # silently wrong sums)
+    # a QuantizedWeight whose fields disagree cannot be built, so no kernel ever sees one (a group size the
+    # kernels cannot place would compute silently wrong sums)
+    with pytest.raises(TypeError, match="QuantizedWeight: expected scales"):
+        QuantizedWeight(qw.qweight, qw.scales.double(), qw.zeros, qw.bits, qw.group_size, qw.shape)
     u = qw.biased_codes()
-    x = torch.randn(2, 64).half()
-    for bad, match in [
-        (QuantizedWeight.from_codes(u, qw.scales, qw.zeros, qw.bits, 48), "group_size"),
-        (QuantizedWeight(qw.qweight, qw.scales, qw.zeros, 3, qw.group_size, qw.shape), "bits"),
-        (QuantizedWeight(qw.qweight[:, :4].contiguous(), qw.scales, qw.zeros, qw.bits, qw.group_size, qw.shape),
-         "qweight"),
-        (QuantizedWeight(qw.qweight, qw.scales[:, :8].contiguous(), qw.zeros, qw.bits, qw.group_size, qw.shape),
-         "scales of shape"),
-        (QuantizedWeight(qw.qweight, qw.scales, qw.scales.to(torch.int64), qw.bits, qw.group_size, qw.shape),
-         "zeros"),
-        (QuantizedWeight(qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size, qw.shape,
-                         torch.arange(63)), "perm"),
+    for build, match in [
+        (lambda: QuantizedWeight.from_codes(u, qw.scales, qw.zeros, qw.bits, 48), "group_size"),
+        (lambda: QuantizedWeight(qw.qweight, qw.scales, qw.zeros, 3, qw.group_size, qw.shape), "bits"),
+        (lambda: QuantizedWeight(qw.qweight[:, :4].contiguous(), qw.scales, qw.zeros, qw.bits, qw.group_size,
+                                 qw.shape), "qweight"),
+        (lambda: QuantizedWeight(qw.qweight, qw.scales[:, :8].contiguous(), qw.zeros, qw.bits, qw.group_size,
+                                 qw.shape), "scales of shape"),
+        (lambda: QuantizedWeight(qw.qweight, qw.scales, qw.scales.to(torch.int64), qw.bits, qw.group_size,
+                                 qw.shape), "zeros"),
+        (lambda: QuantizedWeight(qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size, qw.shape,
+                                 torch.arange(63)), "perm"),
     ]:
         with pytest.raises(ValueError, match=match):
-            ops.weight_only_mm(x, bad)
-        with pytest.raises(ValueError, match=match):
-            bad.dequantize(torch.float16)
+            build()
