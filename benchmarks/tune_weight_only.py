@@ -258,7 +258,8 @@ def _worker_qw(k, n):
 
     from quantfuse.weights import QuantizedWeight
 
-    qweight = torch.randint(-(2**31), 2**31 - 1, (n, k * BITS // 32), device=DEVICE, dtype=torch.int32)
+    words = -(-k // (16 * (32 // BITS))) * 16  # whole 16-word chunks, as pack_codes pads K
+    qweight = torch.randint(-(2**31), 2**31 - 1, (n, words), device=DEVICE, dtype=torch.int32)
     groups = 1 if GROUP == -1 else -(-k // GROUP)
     scales = (torch.rand(groups, n, device=DEVICE) * 0.01).to(getattr(torch, SCALE_DTYPE))
     return QuantizedWeight(qweight, scales, None, BITS, GROUP, (n, k), None)
@@ -501,8 +502,8 @@ def from_table(m: int):
     more stages and (M <= 32) block_n 256, plus (M >= 64) the M = 64 runners-up of an earlier sweep."""
     from quantfuse.kernels import weight_only as kw
 
-    base = next(t for t in kw._DISPATCH["sm90"]["tiles"] if m <= t["max_m"])
-    base = {k: v for k, v in base.items() if k != "max_m"}
+    base = kw.pick_from(kw._DISPATCH["sm90"]["tiles"], m, BITS)
+    base = {k: v for k, v in base.items() if k not in ("max_m", "bits")}
     p = base["programs_per_sm"]
     after = dict(base, convert="packed", scale="after")
     out = [dict(base, convert="inplace", scale="before"), dict(base, convert="packed", scale="before"),
