@@ -41,17 +41,20 @@ F16, BF16 = torch.float16, torch.bfloat16
 RTOL_SUM = 1e-5
 
 
-def tile(kernel="mma", block_m=16, block_n=64, chunks=1, convert="shift", num_warps=4, num_stages=2, scale=None):
+def tile(kernel="mma", block_m=16, block_n=64, chunks=1, convert="shift", num_warps=4, num_stages=2, scale=None,
+         loop_stages=None):
     t = dict(kernel=kernel, block_m=block_m, block_n=block_n, chunks=chunks, convert=convert,
              num_warps=num_warps, num_stages=num_stages, programs_per_sm=1)
     if scale is not None:
         t["scale"] = scale
+    if loop_stages is not None:
+        t["loop_stages"] = loop_stages
     return t
 
 
 def tile_id(t):
     return f"{t['kernel']}-m{t['block_m']}-n{t['block_n']}-c{t['chunks']}-{t['convert']}" + \
-        (f"-{t['scale']}" if "scale" in t else "")
+        (f"-{t['scale']}" if "scale" in t else "") + (f"-L{t['loop_stages']}" if "loop_stages" in t else "")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -407,6 +410,11 @@ SCALE_CASES = [
      True, torch.float32, 2),
     (tile("gemv", block_m=1, block_n=16, chunks=2, convert="inplace", scale="auto"), 1, 40, 3, 8, 32, False, BF16, 1,
      False, torch.float32, 1),
+    # the software-pipelined GEMV loop (loop_stages): more stages than some splits have iterations
+    (tile("gemv", block_m=1, block_n=32, chunks=1, convert="inplace", scale="auto", loop_stages=3), 1, 1024, 100, 4,
+     128, False, BF16, 3, True, torch.float32, 1),
+    (tile("gemv", block_m=2, block_n=16, chunks=2, convert="inplace", scale="auto", loop_stages=2), 2, 200, 257, 8,
+     -1, True, F16, 1, False, torch.float32, 2),
 ]
 
 
@@ -496,7 +504,9 @@ def test_bad_tiles_raise():
     for bad, match in [(dict(tile(), kernel="simt"), "kernel"), (dict(tile(), convert="lut"), "convert"),
                        (dict(tile(), chunks=3), "chunks"), (dict(tile(), block_n=8), "block_n"),
                        (dict(tile(), block_m=8), "block_m"), (tile("gemv", block_m=8), "block_m"),
-                       (tile(scale="sideways"), "scale"), (tile(chunks=2, scale="after"), "scale")]:
+                       (tile(scale="sideways"), "scale"), (tile(chunks=2, scale="after"), "scale"),
+                       (tile(loop_stages=2), "loop_stages"), (tile("gemv", block_m=1, loop_stages=-1), "loop_stages"),
+                       (tile("gemv", block_m=1, loop_stages=2.0), "loop_stages")]:
         with pytest.raises(ValueError, match=match):
             run(x, qw, bad, 1)
     run(x, qw, tile(chunks=2, scale="auto"), 1)  # "auto" is "before" on the tensor-core kernel: any chunks
@@ -541,6 +551,9 @@ GPU_VARIANTS = VARIANTS + [
     tile("gemv", block_m=3, block_n=32, chunks=2, convert="inplace", scale="auto"),
     tile(block_n=128, chunks=1, convert="packed", scale="after"),
     tile(block_n=32, chunks=1, convert="inplace", scale="after", num_warps=2),
+    tile("gemv", block_m=1, block_n=256, chunks=1, convert="inplace", scale="auto", loop_stages=3),
+    tile("gemv", block_m=1, block_n=128, chunks=1, convert="inplace", num_warps=2, scale="auto", loop_stages=4),
+    tile("gemv", block_m=3, block_n=64, chunks=2, convert="inplace", scale="before", loop_stages=2),
 ]
 
 

@@ -84,7 +84,7 @@ def chunk_codes(bits: int) -> int:
 # with `bits` only for weights of that width: `pick_from`).
 # `programs_per_sm`: split-K target (decode). cublas_min_m: from this M on, dequantize once + cuBLAS.
 # `chunks`: chunks of 16 words per K-loop iteration; `kernel`: "mma" (tensor cores) or "gemv" (no tensor
-# cores, block_m <= 4); `convert`: "shift", "inplace" or "packed" (same w_hat; "packed" where
+# cores, block_m <= 4; `loop_stages` >= 2 software-pipelines its K loop); `convert`: "shift", "inplace" or "packed" (same w_hat; "packed" where
 # `packed_applies`, else "inplace"); `scale`: "before" (default; the dot takes w_hat), "after" (the dot
 # takes u - z, group sums scaled) or "auto" ("after" where it measured faster; `_scale_code`). The sm90
 # rows from M = 2 to 64 are the
@@ -660,7 +660,7 @@ def _wo_gemv_kernel(
     BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_M_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, CONVERT: tl.constexpr, SCALE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     """The same product without tensor cores, for very small M (BLOCK_M <= 4 rows per program).
 
@@ -672,7 +672,10 @@ def _wo_gemv_kernel(
     each group and is scaled into the first at the group's last field (every chunk of the iteration with
     its own group's scales); 2: the one group's scale multiplies the tile once after the K loop.
     Grid, split-K partials (and the fused reduction, over BLOCK_M_P2 = the power of two >= BLOCK_M rows,
-    masked) and the K / split-end masking are those of `_wo_mm_kernel`."""
+    masked) and the K / split-end masking are those of `_wo_mm_kernel`.
+    LOOP_STAGES >= 2 software-pipelines the K loop (Triton copies the next iterations' words, x and scales
+    to shared memory asynchronously while this one computes); the kernel's num_stages does not, as it
+    only pipelines loads that feed a tl.dot. 0 or 1: plain loads (the same code as a plain range)."""
     tl.static_assert(BLOCK_M >= 1 and BLOCK_M <= 4, "gemv kernel: BLOCK_M must be 1..4")
     FIELDS: tl.constexpr = 32 // BITS
     CHUNK: tl.constexpr = 16 * FIELDS
@@ -694,7 +697,7 @@ def _wo_gemv_kernel(
     grp1 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
     grp2 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
     grp3 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
-    for cc in range(c_begin, c_end, CHUNKS):
+    for cc in tl.range(c_begin, c_end, CHUNKS, num_stages=LOOP_STAGES if LOOP_STAGES > 1 else 1):
         valid, words, words_hi = _load_words(w_tile, cc, ci, nm3, c_end, CHUNKS, CONVERT)
         k_base = cc * CHUNK
         for i in tl.static_range(FIELDS):
@@ -902,6 +905,12 @@ def check_tile(tile: dict) -> None:
         raise ValueError(f"tile block_m: the mma kernel needs a power of two >= 16, got {bm!r}")
     if kind == "gemv" and bm not in (1, 2, 3, 4):
         raise ValueError(f"tile block_m: the gemv kernel takes 1..4 rows, got {bm!r}")
+    loop_stages = tile.get("loop_stages", 0)
+    if not isinstance(loop_stages, int) or not 0 <= loop_stages <= 8:
+        raise ValueError(f"tile loop_stages: expected an int in 0..8, got {loop_stages!r}")
+    if loop_stages and kind != "gemv":
+        raise ValueError("tile loop_stages: only the gemv kernel takes it (the mma kernel's num_stages pipelines "
+                         f"its loads), got loop_stages={loop_stages} with kernel={kind!r}")
 
 
 # Per-tile arrival counters of the fused split-K reduction: one zeroed int32 slot of _COUNTER_SLOTS per
@@ -944,7 +953,8 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
 
     tile: a `_DISPATCH` entry (default: `pick_tile(M)`); keys block_m, block_n, num_warps, num_stages,
     programs_per_sm, and optionally chunks (chunks of 16 words per K-loop iteration, default 1),
-    kernel ("mma": tensor cores, `_wo_mm_kernel`, default; "gemv": `_wo_gemv_kernel`, block_m <= 4),
+    kernel ("mma": tensor cores, `_wo_mm_kernel`, default; "gemv": `_wo_gemv_kernel`, block_m <= 4, with
+    loop_stages: its K loop software-pipelined into that many stages, 0 = not),
     convert ("shift", default, "inplace" or "packed": the same values with fewer instructions; "packed"
     runs on the mma kernel where `packed_applies`, else as "inplace") and scale ("before", default: the
     product takes w_hat; "after": it takes u - z and the group sums are scaled, on the mma kernel with
@@ -982,7 +992,8 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     else:
         # group_shift: the GEMV's per-group scaling (SCALE 1) locates groups by shift; group sizes with
         # several groups are powers of two (validated by quantfuse.ops / QuantizedWeight)
-        extra = dict(group_shift=group.bit_length() - 1, FUSED_REDUCE=fused, BLOCK_M_P2=triton.next_power_of_2(block_m))
+        extra = dict(group_shift=group.bit_length() - 1, FUSED_REDUCE=fused, BLOCK_M_P2=triton.next_power_of_2(block_m),
+                     LOOP_STAGES=tile.get("loop_stages", 0))
     kernel[(grid_n, splits, grid_m)](
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales,
         out, part, counts if fused else scales, m, n, k, scales.shape[0], group,
