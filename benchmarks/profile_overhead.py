@@ -45,6 +45,7 @@ def main():
         qf.scaled_mm(q, w.t(), s, sw, torch.bfloat16)
     pr.disable()
     pstats.Stats(pr).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(pr).sort_stats("tottime").print_stats(40)
 
 
 if __name__ == "__main__":

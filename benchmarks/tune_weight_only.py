@@ -190,6 +190,7 @@ def census(ms):
             if not mma:
                 consts["BLOCK_M_P2"] = triton.next_power_of_2(c["block_m"])
                 consts["LOOP_STAGES"] = c.get("loop_stages", 0)
+                consts["EVEN"] = c["chunks"] == 1  # the swept shapes are whole chunks and blocks
             sig = {a: ("constexpr" if a in consts else ptr.get(a, "i32")) for a in fn.arg_names}
             attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
             t0 = time.time()

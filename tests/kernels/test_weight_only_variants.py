@@ -477,6 +477,50 @@ def test_scale_code(scale, kernel, block_n, chunks, groups, want):
     assert kw._scale_code(t, groups, kernel == "mma") == want
 
 
+# (tile, M, K, N, bits, group, symmetric, expected EVEN): N a multiple of block_n and K of
+# the chunk (int4 128, int8 64) with one chunk per iteration -> unmasked loads; a partial column block,
+# a partial chunk or chunks=2 keep the masks. EVEN must not change a bit of the output.
+EVEN_CASES = [
+    (tile("gemv", block_m=1, block_n=32, convert="inplace", scale="auto"), 1, 512, 64, 4, 128, False, True),
+    (tile("gemv", block_m=1, block_n=16, convert="shift", scale="before"), 1, 256, 48, 8, -1, True, True),
+    (tile("gemv", block_m=3, block_n=16, convert="inplace", scale="auto"), 5, 256, 32, 4, 32, True, True),
+    (tile("gemv", block_m=1, block_n=32, convert="inplace", scale="auto"), 1, 512, 48, 4, 128, False, False),
+    (tile("gemv", block_m=1, block_n=16, convert="inplace", scale="auto"), 1, 200, 64, 4, -1, True, False),
+    (tile("gemv", block_m=1, block_n=16, chunks=2, convert="inplace", scale="auto"), 1, 512, 64, 4, 128, False,
+     False),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", EVEN_CASES, ids=lambda c: f"{tile_id(c[0])}-M{c[1]}-K{c[2]}-N{c[3]}-b{c[4]}")
+def test_gemv_even_shapes(case, monkeypatch):
+    """The launcher sets EVEN exactly for whole column blocks and chunks (one chunk per iteration); the
+    unmasked kernel gives the masked kernel's output bit for bit, and both stay within the bound."""
+    t, m, k, n, bits, group, sym, want_even = case
+    qw = make_qw(n, k, bits, group, sym)
+    x = torch.randn(m, k).to(BF16)
+    bias = torch.randn(n).to(BF16)
+    out, call = launch_spied(monkeypatch, x, qw, t, 2, bias)
+    assert call["EVEN"] is want_even
+    after = call["SCALE"] != 0  # scale after the sums: the product with the unrounded weights
+    assert_close_to_ref(out, x, qw.dequantize(torch.float32 if after else BF16), bias, "even")
+    if want_even:
+        spy = Spy(kw._wo_gemv_kernel)
+
+        def masked(*args, **kwargs):
+            return spy.fn[spy.grid](*args, **dict(kwargs, EVEN=False))
+
+        class Forced:
+            def __getitem__(self, grid):
+                spy.grid = grid
+                return masked
+
+        monkeypatch.setattr(kw, "_wo_gemv_kernel", Forced())
+        ref = run(x, qw, t, 2, bias)
+        monkeypatch.undo()
+        assert torch.equal(out, ref)
+
+
 @needs_interpreter
 def test_gemv_fused_reduce_equals_reduce_kernel(monkeypatch):
     """The GEMV's last-program split-K reduction sums the same partials in the same order as the reduce
@@ -554,6 +598,7 @@ GPU_VARIANTS = VARIANTS + [
     tile("gemv", block_m=1, block_n=256, chunks=1, convert="inplace", scale="auto", loop_stages=3),
     tile("gemv", block_m=1, block_n=128, chunks=1, convert="inplace", num_warps=2, scale="auto", loop_stages=4),
     tile("gemv", block_m=3, block_n=64, chunks=2, convert="inplace", scale="before", loop_stages=2),
+    tile("gemv", block_m=1, block_n=64, chunks=1, convert="inplace", scale="auto", loop_stages=2),
 ]
 
 

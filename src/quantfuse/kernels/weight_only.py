@@ -166,17 +166,24 @@ def _codes_minus_zero(words, SHIFT: tl.constexpr, MASK: tl.constexpr, zero_plus_
 
 @triton.jit
 def _group_params(s_ptr, z_ptr, k_start, group_size, num_groups, N, offs_n, n_mask,
-                  HAS_ZERO: tl.constexpr, BITS: tl.constexpr, NEED_SCALE: tl.constexpr):
+                  HAS_ZERO: tl.constexpr, BITS: tl.constexpr, NEED_SCALE: tl.constexpr, EVEN: tl.constexpr = False):
     """Scale [BLOCK_N] and 2^23 + zero point [BLOCK_N] of the group holding k_start (NEED_SCALE False:
-    kernels that scale after the dot; no scale is loaded and s is 1)."""
+    kernels that scale after the dot; no scale is loaded and s is 1). EVEN: every offs_n is in range (no
+    mask)."""
     g = tl.minimum(k_start // group_size, num_groups - 1)
     if NEED_SCALE:
         # scales may be stored as float16 / bfloat16 (then exactly representable): widening is exact
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if EVEN:
+            s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
+        else:
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     else:
         s = tl.full((g * N + offs_n).shape, 1.0, tl.float32)
     if HAS_ZERO:
-        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+        if EVEN:
+            z = tl.load(z_ptr + g * N + offs_n).to(tl.float32)
+        else:
+            z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
     else:
         z = tl.full(s.shape, 2 ** (BITS - 1), tl.float32)
     return s, z + 8388608.0
@@ -450,14 +457,20 @@ def _split_words(w_ptr, N, K, chunks_per_split, stride_wn,
 
 
 @triton.jit
-def _load_words(w_tile, cc, ci, n3_mask, c_end, CHUNKS: tl.constexpr, CONVERT: tl.constexpr):
+def _load_words(w_tile, cc, ci, n3_mask, c_end, CHUNKS: tl.constexpr, CONVERT: tl.constexpr,
+                EVEN: tl.constexpr = False):
     """Words of the chunks cc .. cc + CHUNKS - 1 (0 past the split's end), their validity, and for the
-    in-place conversion the words shifted right by 12 (`_field_minus_zero`)."""
+    in-place conversion the words shifted right by 12 (`_field_minus_zero`). EVEN (CHUNKS 1 only): every
+    row is in range, so the load has no mask."""
     if CHUNKS == 1:
         valid = n3_mask
     else:
         valid = n3_mask & (cc + ci < c_end)
-    words = tl.load(w_tile + cc * 16, mask=valid, other=0)
+    if EVEN:
+        tl.static_assert(CHUNKS == 1, "EVEN loads: one chunk per iteration")
+        words = tl.load(w_tile + cc * 16)
+    else:
+        words = tl.load(w_tile + cc * 16, mask=valid, other=0)
     if CONVERT == 1:
         words_hi = words >> 12
     else:
@@ -613,12 +626,17 @@ def _last_split_reduces(part_ptr, bias_ptr, out_ptr, count_ptr, splits, M, N, of
 
 
 @triton.jit
-def _gemv_row(acc, w, x_row, k, row: tl.constexpr, M, m0, k_end, stride_xm, FIRST: tl.constexpr):
+def _gemv_row(acc, w, x_row, k, row: tl.constexpr, M, m0, k_end, stride_xm, FIRST: tl.constexpr,
+              EVEN: tl.constexpr = False):
     """acc + w * x[m0 + row, k] (float32), or with FIRST (a group's first term) the product alone, not a
     zeroed tile plus one; x is masked to 0 from k_end on, and everywhere for a row past M - 1 (its limit
-    drops to 0)."""
-    k_lim = tl.where(m0 + row < M, k_end, 0)
-    xw = w * tl.load(x_row + row * stride_xm + k, mask=k < k_lim, other=0.0).to(tl.float32)
+    drops to 0). EVEN: k < k_end and the row exists (one row per program, K a whole number of chunks):
+    no mask."""
+    if EVEN:
+        xw = w * tl.load(x_row + row * stride_xm + k).to(tl.float32)
+    else:
+        k_lim = tl.where(m0 + row < M, k_end, 0)
+        xw = w * tl.load(x_row + row * stride_xm + k, mask=k < k_lim, other=0.0).to(tl.float32)
     if FIRST:
         return xw
     else:
@@ -626,9 +644,11 @@ def _gemv_row(acc, w, x_row, k, row: tl.constexpr, M, m0, k_end, stride_xm, FIRS
 
 
 @triton.jit
-def _gemv_rows(a0, a1, a2, a3, w, x_row, k, M, m0, k_end, stride_xm, BLOCK_M: tl.constexpr, FIRST: tl.constexpr):
-    """`_gemv_row` for each of the program's rows (BLOCK_M <= 4; the tiles of absent rows are returned as is)."""
-    a0 = _gemv_row(a0, w, x_row, k, 0, M, m0, k_end, stride_xm, FIRST)
+def _gemv_rows(a0, a1, a2, a3, w, x_row, k, M, m0, k_end, stride_xm, BLOCK_M: tl.constexpr, FIRST: tl.constexpr,
+               EVEN: tl.constexpr = False):
+    """`_gemv_row` for each of the program's rows (BLOCK_M <= 4; the tiles of absent rows are returned as is;
+    EVEN: one row, unmasked)."""
+    a0 = _gemv_row(a0, w, x_row, k, 0, M, m0, k_end, stride_xm, FIRST, EVEN and BLOCK_M == 1)
     if BLOCK_M > 1:
         a1 = _gemv_row(a1, w, x_row, k, 1, M, m0, k_end, stride_xm, FIRST)
     if BLOCK_M > 2:
@@ -660,7 +680,7 @@ def _wo_gemv_kernel(
     BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_M_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, CONVERT: tl.constexpr, SCALE: tl.constexpr,
-    INTERPRET: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    INTERPRET: tl.constexpr, LOOP_STAGES: tl.constexpr, EVEN: tl.constexpr,
 ):
     """The same product without tensor cores, for very small M (BLOCK_M <= 4 rows per program).
 
@@ -675,8 +695,12 @@ def _wo_gemv_kernel(
     masked) and the K / split-end masking are those of `_wo_mm_kernel`.
     LOOP_STAGES >= 2 software-pipelines the K loop (Triton copies the next iterations' words, x and scales
     to shared memory asynchronously while this one computes); the kernel's num_stages does not, as it
-    only pipelines loads that feed a tl.dot. 0 or 1: plain loads (the same code as a plain range)."""
+    only pipelines loads that feed a tl.dot. 0 or 1: plain loads (the same code as a plain range).
+    EVEN (set by the launcher when CHUNKS = 1, BLOCK_N divides N and K is a whole number of chunks): no
+    load in the K loop needs a mask (with one row per program, x's loads neither), which drops the
+    predicate set-up and the zeroing of each masked load's registers."""
     tl.static_assert(BLOCK_M >= 1 and BLOCK_M <= 4, "gemv kernel: BLOCK_M must be 1..4")
+    tl.static_assert(not EVEN or CHUNKS == 1, "gemv kernel: EVEN needs one chunk per iteration")
     FIELDS: tl.constexpr = 32 // BITS
     CHUNK: tl.constexpr = 16 * FIELDS
     pid_s = tl.program_id(1)
@@ -698,7 +722,7 @@ def _wo_gemv_kernel(
     grp2 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
     grp3 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
     for cc in tl.range(c_begin, c_end, CHUNKS, num_stages=LOOP_STAGES if LOOP_STAGES > 1 else 1):
-        valid, words, words_hi = _load_words(w_tile, cc, ci, nm3, c_end, CHUNKS, CONVERT)
+        valid, words, words_hi = _load_words(w_tile, cc, ci, nm3, c_end, CHUNKS, CONVERT, EVEN)
         k_base = cc * CHUNK
         for i in tl.static_range(FIELDS):
             k_field = k_base + ci * CHUNK + 16 * i  # [1, CHUNKS, 1]
@@ -706,25 +730,28 @@ def _wo_gemv_kernel(
             if SCALE == 0:
                 if i % GROUP_FIELDS == 0:
                     s, zm = _group_params(s_ptr, z_ptr, k_field, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS,
-                                          True)
+                                          True, EVEN)
                 w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET, True)
                 acc0, acc1, acc2, acc3 = _gemv_rows(acc0, acc1, acc2, acc3, w.to(tl.float32), x_row, k, M, m0, k_end,
-                                                    stride_xm, BLOCK_M, False)
+                                                    stride_xm, BLOCK_M, False, EVEN)
             else:
                 if i % GROUP_FIELDS == 0:
                     _, zm = _group_params(s_ptr, z_ptr, k_field, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS,
-                                          False)
+                                          False, EVEN)
                 w = _field_exact(words, words_hi, field_mask, i, BITS, zm, CONVERT)
                 if SCALE == 2:
                     acc0, acc1, acc2, acc3 = _gemv_rows(acc0, acc1, acc2, acc3, w, x_row, k, M, m0, k_end, stride_xm,
-                                                        BLOCK_M, False)
+                                                        BLOCK_M, False, EVEN)
                 else:
                     grp0, grp1, grp2, grp3 = _gemv_rows(grp0, grp1, grp2, grp3, w, x_row, k, M, m0, k_end, stride_xm,
-                                                        BLOCK_M, i % GROUP_FIELDS == 0)
+                                                        BLOCK_M, i % GROUP_FIELDS == 0, EVEN)
                     if i % GROUP_FIELDS == GROUP_FIELDS - 1:
                         # groups are powers of two here (32 .. 256): a shift, not an integer division
                         g = tl.minimum(k_field >> group_shift, num_groups - 1)
-                        s = tl.load(s_ptr + g * N + n3, mask=valid, other=0.0).to(tl.float32)
+                        if EVEN:
+                            s = tl.load(s_ptr + g * N + n3).to(tl.float32)
+                        else:
+                            s = tl.load(s_ptr + g * N + n3, mask=valid, other=0.0).to(tl.float32)
                         acc0 += grp0 * s
                         if BLOCK_M > 1:
                             acc1 += grp1 * s
@@ -993,7 +1020,8 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
         # group_shift: the GEMV's per-group scaling (SCALE 1) locates groups by shift; group sizes with
         # several groups are powers of two (validated by quantfuse.ops / QuantizedWeight)
         extra = dict(group_shift=group.bit_length() - 1, FUSED_REDUCE=fused, BLOCK_M_P2=triton.next_power_of_2(block_m),
-                     LOOP_STAGES=tile.get("loop_stages", 0))
+                     LOOP_STAGES=tile.get("loop_stages", 0),
+                     EVEN=chunks == 1 and n % block_n == 0 and k % chunk_codes(bits) == 0)
     kernel[(grid_n, splits, grid_m)](
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales,
         out, part, counts if fused else scales, m, n, k, scales.shape[0], group,
