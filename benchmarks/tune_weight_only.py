@@ -94,7 +94,8 @@ def key(c: dict) -> str:
     return (f"{c['kernel']} m{c['block_m']} n{c['block_n']} c{c['chunks']} {c['convert']} w{c['num_warps']} "
             f"s{c['num_stages']} p{c['programs_per_sm']}"
             + (f" {c['scale']}" if c.get("scale", "before") != "before" else "")
-            + (f" L{c['loop_stages']}" if c.get("loop_stages") else ""))
+            + (f" L{c['loop_stages']}" if c.get("loop_stages") else "")
+            + (f" r{c['maxnreg']}" if c.get("maxnreg") else ""))
 
 
 def stage1(m: int):
@@ -578,7 +579,7 @@ def sweep(workers: int, table_only: bool = False, tiles=None):
     print("        \"tiles\": [")
     for m, cfg, score, cover in table:
         cfg = {k: cfg[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm", "chunks",
-                                   "kernel", "convert", "scale", "loop_stages") if k in cfg}
+                                   "kernel", "convert", "scale", "loop_stages", "maxnreg") if k in cfg}
         print(f"            dict(max_m={m}, " + ", ".join(f"{k}={v!r}" for k, v in cfg.items())
               + f"),  # {score:.2f}x shipped over {cover} shapes")
     print("            # ... keep the catch-all (max_m=1 << 62) entry of the shipped table\n        ],")

@@ -54,7 +54,8 @@ def tile(kernel="mma", block_m=16, block_n=64, chunks=1, convert="shift", num_wa
 
 def tile_id(t):
     return f"{t['kernel']}-m{t['block_m']}-n{t['block_n']}-c{t['chunks']}-{t['convert']}" + \
-        (f"-{t['scale']}" if "scale" in t else "") + (f"-L{t['loop_stages']}" if "loop_stages" in t else "")
+        (f"-{t['scale']}" if "scale" in t else "") + (f"-L{t['loop_stages']}" if "loop_stages" in t else "") + \
+        (f"-r{t['maxnreg']}" if "maxnreg" in t else "")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -550,7 +551,8 @@ def test_bad_tiles_raise():
                        (dict(tile(), block_m=8), "block_m"), (tile("gemv", block_m=8), "block_m"),
                        (tile(scale="sideways"), "scale"), (tile(chunks=2, scale="after"), "scale"),
                        (tile(loop_stages=2), "loop_stages"), (tile("gemv", block_m=1, loop_stages=-1), "loop_stages"),
-                       (tile("gemv", block_m=1, loop_stages=2.0), "loop_stages")]:
+                       (tile("gemv", block_m=1, loop_stages=2.0), "loop_stages"),
+                       (dict(tile(), maxnreg=8), "maxnreg"), (dict(tile(), maxnreg="40"), "maxnreg")]:
         with pytest.raises(ValueError, match=match):
             run(x, qw, bad, 1)
     run(x, qw, tile(chunks=2, scale="auto"), 1)  # "auto" is "before" on the tensor-core kernel: any chunks
@@ -599,6 +601,8 @@ GPU_VARIANTS = VARIANTS + [
     tile("gemv", block_m=1, block_n=128, chunks=1, convert="inplace", num_warps=2, scale="auto", loop_stages=4),
     tile("gemv", block_m=3, block_n=64, chunks=2, convert="inplace", scale="before", loop_stages=2),
     tile("gemv", block_m=1, block_n=64, chunks=1, convert="inplace", scale="auto", loop_stages=2),
+    dict(tile("gemv", block_m=1, block_n=64, chunks=1, convert="inplace", scale="auto"), maxnreg=40),
+    dict(tile(block_n=128, chunks=1, convert="packed"), maxnreg=96),
 ]
 
 

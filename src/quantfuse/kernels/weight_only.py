@@ -84,7 +84,8 @@ def chunk_codes(bits: int) -> int:
 # with `bits` only for weights of that width: `pick_from`).
 # `programs_per_sm`: split-K target (decode). cublas_min_m: from this M on, dequantize once + cuBLAS.
 # `chunks`: chunks of 16 words per K-loop iteration; `kernel`: "mma" (tensor cores) or "gemv" (no tensor
-# cores, block_m <= 4; `loop_stages` >= 2 software-pipelines its K loop); `convert`: "shift", "inplace" or "packed" (same w_hat; "packed" where
+# cores, block_m <= 4; `loop_stages` >= 2 software-pipelines its K loop); `maxnreg`: a register cap
+# per thread (optional); `convert`: "shift", "inplace" or "packed" (same w_hat; "packed" where
 # `packed_applies`, else "inplace"); `scale`: "before" (default; the dot takes w_hat), "after" (the dot
 # takes u - z, group sums scaled) or "auto" ("after" where it measured faster; `_scale_code`). The sm90
 # rows from M = 2 to 64 are the
@@ -932,6 +933,9 @@ def check_tile(tile: dict) -> None:
         raise ValueError(f"tile block_m: the mma kernel needs a power of two >= 16, got {bm!r}")
     if kind == "gemv" and bm not in (1, 2, 3, 4):
         raise ValueError(f"tile block_m: the gemv kernel takes 1..4 rows, got {bm!r}")
+    maxnreg = tile.get("maxnreg")
+    if maxnreg is not None and (not isinstance(maxnreg, int) or not 24 <= maxnreg <= 255):
+        raise ValueError(f"tile maxnreg: expected None or an int in 24..255 (registers per thread), got {maxnreg!r}")
     loop_stages = tile.get("loop_stages", 0)
     if not isinstance(loop_stages, int) or not 0 <= loop_stages <= 8:
         raise ValueError(f"tile loop_stages: expected an int in 0..8, got {loop_stages!r}")
@@ -974,6 +978,12 @@ def _tile_counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
     return pool["buf"][slot]
 
 
+def _reg_cap(tile: dict) -> dict:
+    """The launch option capping registers per thread (tile key maxnreg: more resident warps for the
+    latency-bound decode kernels, at the price of spills), or nothing."""
+    return {} if tile.get("maxnreg") is None else {"maxnreg": tile["maxnreg"]}
+
+
 def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int,
              tile: Optional[dict] = None, splits: Optional[int] = None) -> torch.Tensor:
     """out [M, N] = x2d @ w_hat.T (+ bias) with the fused dequantizing kernel.
@@ -981,7 +991,8 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     tile: a `_DISPATCH` entry (default: `pick_tile(M)`); keys block_m, block_n, num_warps, num_stages,
     programs_per_sm, and optionally chunks (chunks of 16 words per K-loop iteration, default 1),
     kernel ("mma": tensor cores, `_wo_mm_kernel`, default; "gemv": `_wo_gemv_kernel`, block_m <= 4, with
-    loop_stages: its K loop software-pipelined into that many stages, 0 = not),
+    loop_stages: its K loop software-pipelined into that many stages, 0 = not), maxnreg (a cap on
+    registers per thread, default none),
     convert ("shift", default, "inplace" or "packed": the same values with fewer instructions; "packed"
     runs on the mma kernel where `packed_applies`, else as "inplace") and scale ("before", default: the
     product takes w_hat; "after": it takes u - z and the group sums are scaled, on the mma kernel with
@@ -1030,7 +1041,7 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
         HAS_BIAS=has_bias, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKS=chunks,
         CONVERT=_convert_code(tile, x2d.dtype, scales.dtype, bits, mma, scale_code != 0), SCALE=scale_code,
         INTERPRET=INTERPRET,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **extra,
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **extra, **_reg_cap(tile),
     )
     if split and not fused:
         block = 1024
