@@ -37,7 +37,7 @@ for bits, gf, zero, scale, conv, bn, x, s in itertools.product((4, 8), (2, 8), (
 for bits, gf, zero, scale, conv, bm, ch in itertools.product((4, 8), (2, 8), (False, True), (0, 1, 2), (0, 1), (1, 3), (1, 2)):
     if bits == 8 and gf == 8: gf = 4
     c = dict(BITS=bits, GROUP_FIELDS=gf, HAS_ZERO=zero, HAS_BIAS=True, SPLIT=True, FUSED_REDUCE=True, BLOCK_M=bm,
-             BLOCK_M_P2=4 if bm == 3 else 1, LOOP_STAGES=0, EVEN=False, BLOCK_N=64, CHUNKS=ch, CONVERT=conv, SCALE=scale, INTERPRET=False)
+             BLOCK_M_P2=4 if bm == 3 else 1, BLOCK_N=64, CHUNKS=ch, CONVERT=conv, SCALE=scale, INTERPRET=False)
     key = f"gemv b{bits} gf{gf} z{int(zero)} S{scale} C{conv} m{bm} c{ch}"
     out[key] = compile_one(kw._wo_gemv_kernel, c, dict(x="bf16", s="fp32"), num_stages=2)
 json.dump(out, open(sys.argv[1], "w"), indent=0, sort_keys=True)

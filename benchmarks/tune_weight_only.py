@@ -93,9 +93,7 @@ def cand(kernel, m, block_n, chunks, num_warps, num_stages, ppsm, convert="inpla
 def key(c: dict) -> str:
     return (f"{c['kernel']} m{c['block_m']} n{c['block_n']} c{c['chunks']} {c['convert']} w{c['num_warps']} "
             f"s{c['num_stages']} p{c['programs_per_sm']}"
-            + (f" {c['scale']}" if c.get("scale", "before") != "before" else "")
-            + (f" L{c['loop_stages']}" if c.get("loop_stages") else "")
-            + (f" r{c['maxnreg']}" if c.get("maxnreg") else ""))
+            + (f" {c['scale']}" if c.get("scale", "before") != "before" else ""))
 
 
 def stage1(m: int):
@@ -190,8 +188,6 @@ def census(ms):
                           CONVERT=kw._convert_code(c, torch.bfloat16, torch.float32, 4, mma, scale != 0))
             if not mma:
                 consts["BLOCK_M_P2"] = triton.next_power_of_2(c["block_m"])
-                consts["LOOP_STAGES"] = c.get("loop_stages", 0)
-                consts["EVEN"] = c["chunks"] == 1  # the swept shapes are whole chunks and blocks
             sig = {a: ("constexpr" if a in consts else ptr.get(a, "i32")) for a in fn.arg_names}
             attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
             t0 = time.time()
@@ -579,7 +575,7 @@ def sweep(workers: int, table_only: bool = False, tiles=None):
     print("        \"tiles\": [")
     for m, cfg, score, cover in table:
         cfg = {k: cfg[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm", "chunks",
-                                   "kernel", "convert", "scale", "loop_stages", "maxnreg") if k in cfg}
+                                   "kernel", "convert", "scale") if k in cfg}
         print(f"            dict(max_m={m}, " + ", ".join(f"{k}={v!r}" for k, v in cfg.items())
               + f"),  # {score:.2f}x shipped over {cover} shapes")
     print("            # ... keep the catch-all (max_m=1 << 62) entry of the shipped table\n        ],")

@@ -41,21 +41,17 @@ F16, BF16 = torch.float16, torch.bfloat16
 RTOL_SUM = 1e-5
 
 
-def tile(kernel="mma", block_m=16, block_n=64, chunks=1, convert="shift", num_warps=4, num_stages=2, scale=None,
-         loop_stages=None):
+def tile(kernel="mma", block_m=16, block_n=64, chunks=1, convert="shift", num_warps=4, num_stages=2, scale=None):
     t = dict(kernel=kernel, block_m=block_m, block_n=block_n, chunks=chunks, convert=convert,
              num_warps=num_warps, num_stages=num_stages, programs_per_sm=1)
     if scale is not None:
         t["scale"] = scale
-    if loop_stages is not None:
-        t["loop_stages"] = loop_stages
     return t
 
 
 def tile_id(t):
     return f"{t['kernel']}-m{t['block_m']}-n{t['block_n']}-c{t['chunks']}-{t['convert']}" + \
-        (f"-{t['scale']}" if "scale" in t else "") + (f"-L{t['loop_stages']}" if "loop_stages" in t else "") + \
-        (f"-r{t['maxnreg']}" if "maxnreg" in t else "")
+        (f"-{t['scale']}" if "scale" in t else "")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -411,11 +407,6 @@ SCALE_CASES = [
      True, torch.float32, 2),
     (tile("gemv", block_m=1, block_n=16, chunks=2, convert="inplace", scale="auto"), 1, 40, 3, 8, 32, False, BF16, 1,
      False, torch.float32, 1),
-    # the software-pipelined GEMV loop (loop_stages): more stages than some splits have iterations
-    (tile("gemv", block_m=1, block_n=32, chunks=1, convert="inplace", scale="auto", loop_stages=3), 1, 1024, 100, 4,
-     128, False, BF16, 3, True, torch.float32, 1),
-    (tile("gemv", block_m=2, block_n=16, chunks=2, convert="inplace", scale="auto", loop_stages=2), 2, 200, 257, 8,
-     -1, True, F16, 1, False, torch.float32, 2),
 ]
 
 
@@ -478,50 +469,6 @@ def test_scale_code(scale, kernel, block_n, chunks, groups, want):
     assert kw._scale_code(t, groups, kernel == "mma") == want
 
 
-# (tile, M, K, N, bits, group, symmetric, expected EVEN): N a multiple of block_n and K of
-# the chunk (int4 128, int8 64) with one chunk per iteration -> unmasked loads; a partial column block,
-# a partial chunk or chunks=2 keep the masks. EVEN must not change a bit of the output.
-EVEN_CASES = [
-    (tile("gemv", block_m=1, block_n=32, convert="inplace", scale="auto"), 1, 512, 64, 4, 128, False, True),
-    (tile("gemv", block_m=1, block_n=16, convert="shift", scale="before"), 1, 256, 48, 8, -1, True, True),
-    (tile("gemv", block_m=3, block_n=16, convert="inplace", scale="auto"), 5, 256, 32, 4, 32, True, True),
-    (tile("gemv", block_m=1, block_n=32, convert="inplace", scale="auto"), 1, 512, 48, 4, 128, False, False),
-    (tile("gemv", block_m=1, block_n=16, convert="inplace", scale="auto"), 1, 200, 64, 4, -1, True, False),
-    (tile("gemv", block_m=1, block_n=16, chunks=2, convert="inplace", scale="auto"), 1, 512, 64, 4, 128, False,
-     False),
-]
-
-
-@needs_interpreter
-@pytest.mark.parametrize("case", EVEN_CASES, ids=lambda c: f"{tile_id(c[0])}-M{c[1]}-K{c[2]}-N{c[3]}-b{c[4]}")
-def test_gemv_even_shapes(case, monkeypatch):
-    """The launcher sets EVEN exactly for whole column blocks and chunks (one chunk per iteration); the
-    unmasked kernel gives the masked kernel's output bit for bit, and both stay within the bound."""
-    t, m, k, n, bits, group, sym, want_even = case
-    qw = make_qw(n, k, bits, group, sym)
-    x = torch.randn(m, k).to(BF16)
-    bias = torch.randn(n).to(BF16)
-    out, call = launch_spied(monkeypatch, x, qw, t, 2, bias)
-    assert call["EVEN"] is want_even
-    after = call["SCALE"] != 0  # scale after the sums: the product with the unrounded weights
-    assert_close_to_ref(out, x, qw.dequantize(torch.float32 if after else BF16), bias, "even")
-    if want_even:
-        spy = Spy(kw._wo_gemv_kernel)
-
-        def masked(*args, **kwargs):
-            return spy.fn[spy.grid](*args, **dict(kwargs, EVEN=False))
-
-        class Forced:
-            def __getitem__(self, grid):
-                spy.grid = grid
-                return masked
-
-        monkeypatch.setattr(kw, "_wo_gemv_kernel", Forced())
-        ref = run(x, qw, t, 2, bias)
-        monkeypatch.undo()
-        assert torch.equal(out, ref)
-
-
 @needs_interpreter
 def test_gemv_fused_reduce_equals_reduce_kernel(monkeypatch):
     """The GEMV's last-program split-K reduction sums the same partials in the same order as the reduce
@@ -549,10 +496,7 @@ def test_bad_tiles_raise():
     for bad, match in [(dict(tile(), kernel="simt"), "kernel"), (dict(tile(), convert="lut"), "convert"),
                        (dict(tile(), chunks=3), "chunks"), (dict(tile(), block_n=8), "block_n"),
                        (dict(tile(), block_m=8), "block_m"), (tile("gemv", block_m=8), "block_m"),
-                       (tile(scale="sideways"), "scale"), (tile(chunks=2, scale="after"), "scale"),
-                       (tile(loop_stages=2), "loop_stages"), (tile("gemv", block_m=1, loop_stages=-1), "loop_stages"),
-                       (tile("gemv", block_m=1, loop_stages=2.0), "loop_stages"),
-                       (dict(tile(), maxnreg=8), "maxnreg"), (dict(tile(), maxnreg="40"), "maxnreg")]:
+                       (tile(scale="sideways"), "scale"), (tile(chunks=2, scale="after"), "scale")]:
         with pytest.raises(ValueError, match=match):
             run(x, qw, bad, 1)
     run(x, qw, tile(chunks=2, scale="auto"), 1)  # "auto" is "before" on the tensor-core kernel: any chunks
@@ -597,12 +541,6 @@ GPU_VARIANTS = VARIANTS + [
     tile("gemv", block_m=3, block_n=32, chunks=2, convert="inplace", scale="auto"),
     tile(block_n=128, chunks=1, convert="packed", scale="after"),
     tile(block_n=32, chunks=1, convert="inplace", scale="after", num_warps=2),
-    tile("gemv", block_m=1, block_n=256, chunks=1, convert="inplace", scale="auto", loop_stages=3),
-    tile("gemv", block_m=1, block_n=128, chunks=1, convert="inplace", num_warps=2, scale="auto", loop_stages=4),
-    tile("gemv", block_m=3, block_n=64, chunks=2, convert="inplace", scale="before", loop_stages=2),
-    tile("gemv", block_m=1, block_n=64, chunks=1, convert="inplace", scale="auto", loop_stages=2),
-    dict(tile("gemv", block_m=1, block_n=64, chunks=1, convert="inplace", scale="auto"), maxnreg=40),
-    dict(tile(block_n=128, chunks=1, convert="packed"), maxnreg=96),
 ]
 
 

@@ -84,8 +84,7 @@ def chunk_codes(bits: int) -> int:
 # with `bits` only for weights of that width: `pick_from`).
 # `programs_per_sm`: split-K target (decode). cublas_min_m: from this M on, dequantize once + cuBLAS.
 # `chunks`: chunks of 16 words per K-loop iteration; `kernel`: "mma" (tensor cores) or "gemv" (no tensor
-# cores, block_m <= 4; `loop_stages` >= 2 software-pipelines its K loop); `maxnreg`: a register cap
-# per thread (optional); `convert`: "shift", "inplace" or "packed" (same w_hat; "packed" where
+# cores, block_m <= 4); `convert`: "shift", "inplace" or "packed" (same w_hat; "packed" where
 # `packed_applies`, else "inplace"); `scale`: "before" (default; the dot takes w_hat), "after" (the dot
 # takes u - z, group sums scaled) or "auto" ("after" where it measured faster; `_scale_code`). The sm90
 # rows from M = 2 to 64 are the
@@ -167,24 +166,17 @@ def _codes_minus_zero(words, SHIFT: tl.constexpr, MASK: tl.constexpr, zero_plus_
 
 @triton.jit
 def _group_params(s_ptr, z_ptr, k_start, group_size, num_groups, N, offs_n, n_mask,
-                  HAS_ZERO: tl.constexpr, BITS: tl.constexpr, NEED_SCALE: tl.constexpr, EVEN: tl.constexpr = False):
+                  HAS_ZERO: tl.constexpr, BITS: tl.constexpr, NEED_SCALE: tl.constexpr):
     """Scale [BLOCK_N] and 2^23 + zero point [BLOCK_N] of the group holding k_start (NEED_SCALE False:
-    kernels that scale after the dot; no scale is loaded and s is 1). EVEN: every offs_n is in range (no
-    mask)."""
+    kernels that scale after the dot; no scale is loaded and s is 1)."""
     g = tl.minimum(k_start // group_size, num_groups - 1)
     if NEED_SCALE:
         # scales may be stored as float16 / bfloat16 (then exactly representable): widening is exact
-        if EVEN:
-            s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
-        else:
-            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     else:
         s = tl.full((g * N + offs_n).shape, 1.0, tl.float32)
     if HAS_ZERO:
-        if EVEN:
-            z = tl.load(z_ptr + g * N + offs_n).to(tl.float32)
-        else:
-            z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
     else:
         z = tl.full(s.shape, 2 ** (BITS - 1), tl.float32)
     return s, z + 8388608.0
@@ -458,20 +450,14 @@ def _split_words(w_ptr, N, K, chunks_per_split, stride_wn,
 
 
 @triton.jit
-def _load_words(w_tile, cc, ci, n3_mask, c_end, CHUNKS: tl.constexpr, CONVERT: tl.constexpr,
-                EVEN: tl.constexpr = False):
+def _load_words(w_tile, cc, ci, n3_mask, c_end, CHUNKS: tl.constexpr, CONVERT: tl.constexpr):
     """Words of the chunks cc .. cc + CHUNKS - 1 (0 past the split's end), their validity, and for the
-    in-place conversion the words shifted right by 12 (`_field_minus_zero`). EVEN (CHUNKS 1 only): every
-    row is in range, so the load has no mask."""
+    in-place conversion the words shifted right by 12 (`_field_minus_zero`)."""
     if CHUNKS == 1:
         valid = n3_mask
     else:
         valid = n3_mask & (cc + ci < c_end)
-    if EVEN:
-        tl.static_assert(CHUNKS == 1, "EVEN loads: one chunk per iteration")
-        words = tl.load(w_tile + cc * 16)
-    else:
-        words = tl.load(w_tile + cc * 16, mask=valid, other=0)
+    words = tl.load(w_tile + cc * 16, mask=valid, other=0)
     if CONVERT == 1:
         words_hi = words >> 12
     else:
@@ -627,17 +613,12 @@ def _last_split_reduces(part_ptr, bias_ptr, out_ptr, count_ptr, splits, M, N, of
 
 
 @triton.jit
-def _gemv_row(acc, w, x_row, k, row: tl.constexpr, M, m0, k_end, stride_xm, FIRST: tl.constexpr,
-              EVEN: tl.constexpr = False):
+def _gemv_row(acc, w, x_row, k, row: tl.constexpr, M, m0, k_end, stride_xm, FIRST: tl.constexpr):
     """acc + w * x[m0 + row, k] (float32), or with FIRST (a group's first term) the product alone, not a
     zeroed tile plus one; x is masked to 0 from k_end on, and everywhere for a row past M - 1 (its limit
-    drops to 0). EVEN: k < k_end and the row exists (one row per program, K a whole number of chunks):
-    no mask."""
-    if EVEN:
-        xw = w * tl.load(x_row + row * stride_xm + k).to(tl.float32)
-    else:
-        k_lim = tl.where(m0 + row < M, k_end, 0)
-        xw = w * tl.load(x_row + row * stride_xm + k, mask=k < k_lim, other=0.0).to(tl.float32)
+    drops to 0)."""
+    k_lim = tl.where(m0 + row < M, k_end, 0)
+    xw = w * tl.load(x_row + row * stride_xm + k, mask=k < k_lim, other=0.0).to(tl.float32)
     if FIRST:
         return xw
     else:
@@ -645,11 +626,9 @@ def _gemv_row(acc, w, x_row, k, row: tl.constexpr, M, m0, k_end, stride_xm, FIRS
 
 
 @triton.jit
-def _gemv_rows(a0, a1, a2, a3, w, x_row, k, M, m0, k_end, stride_xm, BLOCK_M: tl.constexpr, FIRST: tl.constexpr,
-               EVEN: tl.constexpr = False):
-    """`_gemv_row` for each of the program's rows (BLOCK_M <= 4; the tiles of absent rows are returned as is;
-    EVEN: one row, unmasked)."""
-    a0 = _gemv_row(a0, w, x_row, k, 0, M, m0, k_end, stride_xm, FIRST, EVEN and BLOCK_M == 1)
+def _gemv_rows(a0, a1, a2, a3, w, x_row, k, M, m0, k_end, stride_xm, BLOCK_M: tl.constexpr, FIRST: tl.constexpr):
+    """`_gemv_row` for each of the program's rows (BLOCK_M <= 4; the tiles of absent rows are returned as is)."""
+    a0 = _gemv_row(a0, w, x_row, k, 0, M, m0, k_end, stride_xm, FIRST)
     if BLOCK_M > 1:
         a1 = _gemv_row(a1, w, x_row, k, 1, M, m0, k_end, stride_xm, FIRST)
     if BLOCK_M > 2:
@@ -681,7 +660,7 @@ def _wo_gemv_kernel(
     BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_M_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, CONVERT: tl.constexpr, SCALE: tl.constexpr,
-    INTERPRET: tl.constexpr, LOOP_STAGES: tl.constexpr, EVEN: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """The same product without tensor cores, for very small M (BLOCK_M <= 4 rows per program).
 
@@ -693,15 +672,8 @@ def _wo_gemv_kernel(
     each group and is scaled into the first at the group's last field (every chunk of the iteration with
     its own group's scales); 2: the one group's scale multiplies the tile once after the K loop.
     Grid, split-K partials (and the fused reduction, over BLOCK_M_P2 = the power of two >= BLOCK_M rows,
-    masked) and the K / split-end masking are those of `_wo_mm_kernel`.
-    LOOP_STAGES >= 2 software-pipelines the K loop (Triton copies the next iterations' words, x and scales
-    to shared memory asynchronously while this one computes); the kernel's num_stages does not, as it
-    only pipelines loads that feed a tl.dot. 0 or 1: plain loads (the same code as a plain range).
-    EVEN (set by the launcher when CHUNKS = 1, BLOCK_N divides N and K is a whole number of chunks): no
-    load in the K loop needs a mask (with one row per program, x's loads neither), which drops the
-    predicate set-up and the zeroing of each masked load's registers."""
+    masked) and the K / split-end masking are those of `_wo_mm_kernel`."""
     tl.static_assert(BLOCK_M >= 1 and BLOCK_M <= 4, "gemv kernel: BLOCK_M must be 1..4")
-    tl.static_assert(not EVEN or CHUNKS == 1, "gemv kernel: EVEN needs one chunk per iteration")
     FIELDS: tl.constexpr = 32 // BITS
     CHUNK: tl.constexpr = 16 * FIELDS
     pid_s = tl.program_id(1)
@@ -722,8 +694,8 @@ def _wo_gemv_kernel(
     grp1 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
     grp2 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
     grp3 = tl.zeros([BLOCK_N, CHUNKS, 16], dtype=tl.float32)
-    for cc in tl.range(c_begin, c_end, CHUNKS, num_stages=LOOP_STAGES if LOOP_STAGES > 1 else 1):
-        valid, words, words_hi = _load_words(w_tile, cc, ci, nm3, c_end, CHUNKS, CONVERT, EVEN)
+    for cc in range(c_begin, c_end, CHUNKS):
+        valid, words, words_hi = _load_words(w_tile, cc, ci, nm3, c_end, CHUNKS, CONVERT)
         k_base = cc * CHUNK
         for i in tl.static_range(FIELDS):
             k_field = k_base + ci * CHUNK + 16 * i  # [1, CHUNKS, 1]
@@ -731,28 +703,25 @@ def _wo_gemv_kernel(
             if SCALE == 0:
                 if i % GROUP_FIELDS == 0:
                     s, zm = _group_params(s_ptr, z_ptr, k_field, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS,
-                                          True, EVEN)
+                                          True)
                 w = _dequant_field(words, words_hi, field_mask, i, BITS, s, zm, CONVERT, x_dtype, INTERPRET, True)
                 acc0, acc1, acc2, acc3 = _gemv_rows(acc0, acc1, acc2, acc3, w.to(tl.float32), x_row, k, M, m0, k_end,
-                                                    stride_xm, BLOCK_M, False, EVEN)
+                                                    stride_xm, BLOCK_M, False)
             else:
                 if i % GROUP_FIELDS == 0:
                     _, zm = _group_params(s_ptr, z_ptr, k_field, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS,
-                                          False, EVEN)
+                                          False)
                 w = _field_exact(words, words_hi, field_mask, i, BITS, zm, CONVERT)
                 if SCALE == 2:
                     acc0, acc1, acc2, acc3 = _gemv_rows(acc0, acc1, acc2, acc3, w, x_row, k, M, m0, k_end, stride_xm,
-                                                        BLOCK_M, False, EVEN)
+                                                        BLOCK_M, False)
                 else:
                     grp0, grp1, grp2, grp3 = _gemv_rows(grp0, grp1, grp2, grp3, w, x_row, k, M, m0, k_end, stride_xm,
-                                                        BLOCK_M, i % GROUP_FIELDS == 0, EVEN)
+                                                        BLOCK_M, i % GROUP_FIELDS == 0)
                     if i % GROUP_FIELDS == GROUP_FIELDS - 1:
                         # groups are powers of two here (32 .. 256): a shift, not an integer division
                         g = tl.minimum(k_field >> group_shift, num_groups - 1)
-                        if EVEN:
-                            s = tl.load(s_ptr + g * N + n3).to(tl.float32)
-                        else:
-                            s = tl.load(s_ptr + g * N + n3, mask=valid, other=0.0).to(tl.float32)
+                        s = tl.load(s_ptr + g * N + n3, mask=valid, other=0.0).to(tl.float32)
                         acc0 += grp0 * s
                         if BLOCK_M > 1:
                             acc1 += grp1 * s
@@ -933,15 +902,6 @@ def check_tile(tile: dict) -> None:
         raise ValueError(f"tile block_m: the mma kernel needs a power of two >= 16, got {bm!r}")
     if kind == "gemv" and bm not in (1, 2, 3, 4):
         raise ValueError(f"tile block_m: the gemv kernel takes 1..4 rows, got {bm!r}")
-    maxnreg = tile.get("maxnreg")
-    if maxnreg is not None and (not isinstance(maxnreg, int) or not 24 <= maxnreg <= 255):
-        raise ValueError(f"tile maxnreg: expected None or an int in 24..255 (registers per thread), got {maxnreg!r}")
-    loop_stages = tile.get("loop_stages", 0)
-    if not isinstance(loop_stages, int) or not 0 <= loop_stages <= 8:
-        raise ValueError(f"tile loop_stages: expected an int in 0..8, got {loop_stages!r}")
-    if loop_stages and kind != "gemv":
-        raise ValueError("tile loop_stages: only the gemv kernel takes it (the mma kernel's num_stages pipelines "
-                         f"its loads), got loop_stages={loop_stages} with kernel={kind!r}")
 
 
 # Per-tile arrival counters of the fused split-K reduction: one zeroed int32 slot of _COUNTER_SLOTS per
@@ -978,21 +938,13 @@ def _tile_counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
     return pool["buf"][slot]
 
 
-def _reg_cap(tile: dict) -> dict:
-    """The launch option capping registers per thread (tile key maxnreg: more resident warps for the
-    latency-bound decode kernels, at the price of spills), or nothing."""
-    return {} if tile.get("maxnreg") is None else {"maxnreg": tile["maxnreg"]}
-
-
 def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int,
              tile: Optional[dict] = None, splits: Optional[int] = None) -> torch.Tensor:
     """out [M, N] = x2d @ w_hat.T (+ bias) with the fused dequantizing kernel.
 
     tile: a `_DISPATCH` entry (default: `pick_tile(M)`); keys block_m, block_n, num_warps, num_stages,
     programs_per_sm, and optionally chunks (chunks of 16 words per K-loop iteration, default 1),
-    kernel ("mma": tensor cores, `_wo_mm_kernel`, default; "gemv": `_wo_gemv_kernel`, block_m <= 4, with
-    loop_stages: its K loop software-pipelined into that many stages, 0 = not), maxnreg (a cap on
-    registers per thread, default none),
+    kernel ("mma": tensor cores, `_wo_mm_kernel`, default; "gemv": `_wo_gemv_kernel`, block_m <= 4),
     convert ("shift", default, "inplace" or "packed": the same values with fewer instructions; "packed"
     runs on the mma kernel where `packed_applies`, else as "inplace") and scale ("before", default: the
     product takes w_hat; "after": it takes u - z and the group sums are scaled, on the mma kernel with
@@ -1030,9 +982,7 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     else:
         # group_shift: the GEMV's per-group scaling (SCALE 1) locates groups by shift; group sizes with
         # several groups are powers of two (validated by quantfuse.ops / QuantizedWeight)
-        extra = dict(group_shift=group.bit_length() - 1, FUSED_REDUCE=fused, BLOCK_M_P2=triton.next_power_of_2(block_m),
-                     LOOP_STAGES=tile.get("loop_stages", 0),
-                     EVEN=chunks == 1 and n % block_n == 0 and k % chunk_codes(bits) == 0)
+        extra = dict(group_shift=group.bit_length() - 1, FUSED_REDUCE=fused, BLOCK_M_P2=triton.next_power_of_2(block_m))
     kernel[(grid_n, splits, grid_m)](
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales,
         out, part, counts if fused else scales, m, n, k, scales.shape[0], group,
@@ -1041,7 +991,7 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
         HAS_BIAS=has_bias, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKS=chunks,
         CONVERT=_convert_code(tile, x2d.dtype, scales.dtype, bits, mma, scale_code != 0), SCALE=scale_code,
         INTERPRET=INTERPRET,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **extra, **_reg_cap(tile),
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **extra,
     )
     if split and not fused:
         block = 1024
