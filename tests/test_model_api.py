@@ -160,6 +160,87 @@ def test_dynamic_gated_mlp_is_the_per_token_pipeline(layer_cls, mlp_cls):
         mlp_cls(qm.Fp8BlockLinear.from_linear(nn.Linear(128, 256)), d)
 
 
+@pytest.mark.parametrize("layer_cls", [qm.Int8DynamicLinear, qm.Fp8DynamicLinear, qm.Fp8BlockLinear])
+def test_shared_input_quantization(layer_cls, monkeypatch):
+    """Layers fed the same tensor (attention's q / k / v) quantize it once; the outputs are those of
+    layers quantizing it themselves, bit for bit. An in-place write, another tensor, another rule or a
+    freed tensor mean a fresh quantization."""
+    import gc
+
+    torch.manual_seed(3)
+    layers = [layer_cls.from_linear(nn.Linear(256, n)) for n in (128, 64, 64)]
+    calls = []
+    original = layer_cls.quantize_input
+
+    def counting(self, x2d):
+        calls.append(x2d.shape)
+        return original(self, x2d)
+
+    monkeypatch.setattr(layer_cls, "quantize_input", counting)
+    qm.SHARED_INPUT.clear()
+    x = torch.randn(2, 3, 256)
+    shared = [layer(x) for layer in layers]
+    assert len(calls) == 1
+    qm.SHARED_INPUT.enabled = False
+    try:
+        alone = [layer(x) for layer in layers]
+    finally:
+        qm.SHARED_INPUT.enabled = True
+    assert len(calls) == 4
+    for a, b in zip(shared, alone):
+        assert torch.equal(a, b)
+    x.mul_(2.0)  # in place: the cached codes are stale
+    y = layers[1](x)
+    assert len(calls) == 5 and torch.equal(y, layers[1](x)) and len(calls) == 5
+    layers[0](x.clone())  # equal values, another tensor
+    assert len(calls) == 6
+    other = (qm.Fp8DynamicLinear if layer_cls is qm.Int8DynamicLinear else qm.Int8DynamicLinear)
+    z = torch.randn(4, 256)
+    layers[0](z)
+    other.from_linear(nn.Linear(256, 32))(z)  # another rule on the same tensor: its own codes
+    assert len(calls) == 7 + issubclass(other, layer_cls)  # (counted only where it inherits the counter)
+    del z, x
+    gc.collect()
+    assert qm.SHARED_INPUT._entry is None  # nothing kept alive once the input is gone
+
+
+def test_shared_input_quantization_in_a_transformers_llama_layer(monkeypatch):
+    """transformers' Llama attention hands q_proj, k_proj and v_proj one tensor: per layer call, int8_dynamic
+    quantizes three activations (q|k|v, o_proj's, the fused MLP's gate|up) instead of five, with the output
+    of the layer quantizing per projection."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=1, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(4)
+    layer = LlamaDecoderLayer(cfg, layer_idx=0).eval()
+    rope = LlamaRotaryEmbedding(cfg)
+    quantize_(layer, Int8DynamicConfig(), progress=False)
+    calls = []
+    original = qm.Int8DynamicLinear.quantize_input
+    monkeypatch.setattr(qm.Int8DynamicLinear, "quantize_input",
+                        lambda self, x2d: calls.append(1) or original(self, x2d))
+    x = torch.randn(2, 7, 128)
+    pos = torch.arange(7)[None].expand(2, 7)
+
+    def run():
+        out = layer(x, position_embeddings=rope(x, pos), position_ids=pos, attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out
+
+    with torch.no_grad():
+        shared = run()
+        assert len(calls) == 3
+        qm.SHARED_INPUT.enabled = False
+        try:
+            alone = run()
+        finally:
+            qm.SHARED_INPUT.enabled = True
+    assert len(calls) == 3 + 5
+    assert torch.equal(shared, alone)
+
+
 def test_skip_and_overrides():
     model = TinyLlama().eval()
     cfg = Int8DynamicConfig(skip=("q_proj",), overrides={

@@ -12,7 +12,8 @@ to even; sat = saturation to the code range (SPEC section 0).
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+import weakref
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -263,6 +264,46 @@ def _ct_args(num_bits: int, type_: str, strategy: str, symmetric: bool = True, d
 # ----------------------------------------------------------------------------------------------------
 # W8A8: int8 / fp8 weights per output channel, activations per token (dynamic) or per tensor (static)
 # ----------------------------------------------------------------------------------------------------
+class SharedInputQuantization:
+    """The last dynamically quantized activation, reused when the next layer gets the very same tensor.
+
+    Attention's q_proj, k_proj and v_proj (and any layers fed one tensor) quantize the same x with the same
+    dynamic rule (per token, or per 1x128 group): the codes and scales depend only on x, so the first
+    layer's result serves the others, bit for bit, and x is read and quantized once instead of three times.
+    A hit needs the same tensor object (held by a weak reference: nothing is kept alive for it), an
+    unchanged version counter (no in-place write since), the same rule (`key`: the layer class's
+    quantize_input and its code dtype) and, on CUDA, the same
+    current stream. The entry is dropped when x is freed. Not used while torch.compile traces (the
+    compiled graph quantizes per layer as before); `enabled = False` turns it off."""
+
+    def __init__(self):
+        self.enabled = True
+        self._entry = None  # (weakref to x, x._version, key, stream, value): replaced as one object
+
+    def get(self, x: Tensor, key: tuple, compute: Callable[[], Tuple[Tensor, Tensor]]):
+        if not self.enabled or torch.compiler.is_compiling():
+            return compute()
+        stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+        entry = self._entry
+        if entry is not None and entry[0]() is x and entry[1] == x._version and entry[2] == key \
+                and entry[3] == stream:
+            return entry[4]
+        value = compute()
+        self._entry = (weakref.ref(x, self._drop), x._version, key, stream, value)
+        return value
+
+    def _drop(self, ref) -> None:
+        entry = self._entry
+        if entry is not None and entry[0] is ref:
+            self._entry = None
+
+    def clear(self) -> None:
+        self._entry = None
+
+
+SHARED_INPUT = SharedInputQuantization()
+
+
 class _ScaledMMLinear(QuantizedLinear):
     qdtype = torch.int8
 
@@ -314,7 +355,8 @@ class Int8DynamicLinear(_ScaledMMLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         out_dtype = _out_dtype(x)
-        q, scale = self.quantize_input(_rows(x))
+        q, scale = SHARED_INPUT.get(x, (type(self).quantize_input, self.qdtype),
+                                    lambda: self.quantize_input(_rows(x)))
         return self._mm(q, scale, out_dtype).reshape(*x.shape[:-1], self.out_features)
 
     def ct_scheme(self):
@@ -443,7 +485,7 @@ class Fp8BlockLinear(QuantizedLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         out_dtype = _out_dtype(x)
-        q, scales = self.quantize_input(_rows(x))
+        q, scales = SHARED_INPUT.get(x, (type(self).quantize_input,), lambda: self.quantize_input(_rows(x)))
         return self.matmul_quantized(q, scales, out_dtype).reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -704,7 +746,7 @@ class WeightOnlyLinear(QuantizedLinear):
 MODULE_CLASSES = {cls.__name__: cls for cls in
                   (Int8DynamicLinear, Int8StaticLinear, Fp8DynamicLinear, Fp8BlockLinear, WeightOnlyLinear)}
 
-__all__ = ["QuantizedLinear", "Int8DynamicLinear", "Int8StaticLinear", "Fp8DynamicLinear", "Fp8BlockLinear",
+__all__ = ["SharedInputQuantization", "SHARED_INPUT", "QuantizedLinear", "Int8DynamicLinear", "Int8StaticLinear", "Fp8DynamicLinear", "Fp8BlockLinear",
            "GatedMLP", "Fp8BlockGatedMLP", "Int8DynamicGatedMLP", "Fp8DynamicGatedMLP", "GATED_MLP_CLASSES",
            "WeightOnlyLinear", "quantize_weight_per_channel", "gptq_quantize", "quantize_weight_blocks",
            "pack_int32", "unpack_int32"]
