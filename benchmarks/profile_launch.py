@@ -15,19 +15,8 @@ import torch
 import triton
 
 import quantfuse as qf
+from profile_overhead import per_call_us  # noqa: E402  (benchmarks/ is the script's directory)
 from quantfuse.kernels import scaled_mm as ksm
-
-
-def per_call_us(fn, n=400):
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
 
 
 def main():
