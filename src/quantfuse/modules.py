@@ -272,9 +272,10 @@ class SharedInputQuantization:
     layer's result serves the others, bit for bit, and x is read and quantized once instead of three times.
     A hit needs the same tensor object (held by a weak reference: nothing is kept alive for it), an
     unchanged version counter (no in-place write since), the same rule (`key`: the layer class's
-    quantize_input and its code dtype) and, on CUDA, the same
-    current stream. The entry is dropped when x is freed. Not used while torch.compile traces (the
-    compiled graph quantizes per layer as before); `enabled = False` turns it off."""
+    quantize_input and its code dtype) and, on CUDA, the same current stream (so an entry made while a
+    CUDA graph is captured, on the capture stream, never serves an eager call). The entry is dropped
+    when x is freed. Not used while torch.compile traces (the compiled graph quantizes per layer as
+    before); `enabled = False` turns it off."""
 
     def __init__(self):
         self.enabled = True
@@ -746,7 +747,7 @@ class WeightOnlyLinear(QuantizedLinear):
 MODULE_CLASSES = {cls.__name__: cls for cls in
                   (Int8DynamicLinear, Int8StaticLinear, Fp8DynamicLinear, Fp8BlockLinear, WeightOnlyLinear)}
 
-__all__ = ["SharedInputQuantization", "SHARED_INPUT", "QuantizedLinear", "Int8DynamicLinear", "Int8StaticLinear", "Fp8DynamicLinear", "Fp8BlockLinear",
-           "GatedMLP", "Fp8BlockGatedMLP", "Int8DynamicGatedMLP", "Fp8DynamicGatedMLP", "GATED_MLP_CLASSES",
+__all__ = ["SharedInputQuantization", "SHARED_INPUT", "QuantizedLinear", "Int8DynamicLinear", "Int8StaticLinear",
+           "Fp8DynamicLinear", "Fp8BlockLinear", "GatedMLP", "Fp8BlockGatedMLP", "Int8DynamicGatedMLP", "Fp8DynamicGatedMLP", "GATED_MLP_CLASSES",
            "WeightOnlyLinear", "quantize_weight_per_channel", "gptq_quantize", "quantize_weight_blocks",
            "pack_int32", "unpack_int32"]
