@@ -79,8 +79,9 @@ def gemm_case(kind, m, n, k, device, heads=2, residual=None, column=False, confi
     return out, ref
 
 
-def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=False):
-    """Packed (or padded to max length with a key mask) attention through kernel and reference."""
+def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=False, config=None):
+    """Packed (or padded to max length with a key mask) attention through kernel and reference; config: a
+    forced kernel config (e.g. one of ATTENTION_PATHS)."""
     if padded:
         s = max(lengths)
         cu = torch.arange(0, (len(lengths) + 1) * s, s, dtype=torch.int32, device=device)
@@ -106,8 +107,15 @@ def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=Fa
     with ops.backend("triton"):
         from quantfuse.kernels import encoder as ke
 
-        out = ke.int8_attention(*args)
+        out = ke.int8_attention(*args, config=config)
     return out, ref, cu, key_mask
+
+
+# the two kernel paths with small tiles (the interpreter's time grows with the programs)
+ATTENTION_PATHS = {
+    "one_pass": {"block_m": 32, "num_warps": 4, "num_stages": 1, "one_pass": True},
+    "two_pass": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
+}
 
 
 def layernorm_case(m, n, device, write_fp16, with_int8=True):

@@ -193,31 +193,57 @@ def test_gemm_strided_residual():
 # ----------------------------------------------------------------------------------------------------
 # Attention
 # ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", sorted(u.ATTENTION_PATHS))
 @pytest.mark.parametrize("lengths", [[1], [31], [32], [31, 32, 1], [127, 5]])
 @pytest.mark.parametrize("head_dim", [16, 32])
-def test_attention_packed(lengths, head_dim):
-    out, ref, _, _ = u.attention_case(lengths, 2, head_dim, DEV)
+def test_attention_packed(lengths, head_dim, path):
+    out, ref, _, _ = u.attention_case(lengths, 2, head_dim, DEV, config=u.ATTENTION_PATHS[path])
     assert out.shape == (sum(lengths), 2 * head_dim) and out.dtype == torch.int8
     u.assert_int8_close(out, ref)
     assert (ref != 0).float().mean() > 0.3
 
 
-def test_attention_padded_with_fully_masked_rows():
+@pytest.mark.parametrize("path", sorted(u.ATTENTION_PATHS))
+def test_attention_padded_with_fully_masked_rows(path):
     # padded to 32 with a key mask; sequence 2 has no valid key at all (length 0)
     lengths = [32, 31, 0, 1]
-    out, ref, _, key_mask = u.attention_case(lengths, 2, 16, DEV, padded=True)
+    out, ref, _, key_mask = u.attention_case(lengths, 2, 16, DEV, padded=True, config=u.ATTENTION_PATHS[path])
     u.assert_int8_close(out, ref)
     assert torch.isfinite(out.float()).all()
     assert int(out[64:96].abs().max()) == 0  # p = 0 everywhere: ctx = 0, never NaN
 
 
-def test_attention_masked_keys_in_packed_sequences():
+@pytest.mark.parametrize("path", sorted(u.ATTENTION_PATHS))
+def test_attention_masked_keys_in_packed_sequences(path):
     # a whole sequence masked (rows 31..61) plus scattered masked keys in the others
     lengths = [31, 31, 32]
     masked = list(range(31, 62)) + [0, 5, 30, 70, 93]
-    out, ref, _, _ = u.attention_case(lengths, 2, 16, DEV, masked_keys=masked)
+    out, ref, _, _ = u.attention_case(lengths, 2, 16, DEV, masked_keys=masked, config=u.ATTENTION_PATHS[path])
     u.assert_int8_close(out, ref)
     assert int(out[31:62].abs().max()) == 0
+
+
+def test_attention_default_path_by_longest_sequence(monkeypatch):
+    """The table's one-pass tile while the longest sequence fits its key count, the two-pass config past it;
+    both agree with the reference (the one-pass normaliser is a direct sum, the two-pass one an online sum:
+    at most one code apart)."""
+    seen = []
+    real = ke._int8_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.append((kwargs["ONE_PASS"], kwargs["BLOCK_N"]))
+                return real[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(ke, "_int8_attention_kernel", Spy())
+    limit = ke._table(torch.device(DEV))["attention_one_pass"][-1][0]
+    for lengths, one_pass, block_n in (([1, 3], True, 32), ([5, 33], True, 64), ([limit, 3], True, limit),
+                                        ([limit + 1], False, ke._table(torch.device(DEV))["attention"]["block_n"])):
+        out, ref, _, _ = u.attention_case(lengths, 2, 16, DEV)
+        u.assert_int8_close(out, ref)
+        assert seen.pop() == (one_pass, block_n)
 
 
 def test_attention_mask_changes_result():

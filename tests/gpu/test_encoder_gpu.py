@@ -45,16 +45,26 @@ def test_gemm_per_column_scales_full_size(m, kind, residual):
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("lengths", [[1], [31, 32], [127, 1, 64], [384, 200, 384]])
+# the table's choice (one pass up to its key limit, two passes past it) and each one-pass tile forced
+ONE_PASS_TILES = {f"one_pass_m{bm}_w{w}": {"block_m": bm, "num_warps": w, "num_stages": 1, "one_pass": True}
+                  for bm, w in ((16, 4), (32, 8), (64, 4), (64, 8), (128, 8))}
+PATHS = dict(ONE_PASS_TILES, table=None, two_pass={"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3})
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("lengths", [[1], [31, 32], [127, 1, 64], [384, 200, 384], [512, 17], [600, 300]])
 @pytest.mark.parametrize("head_dim", [64, 32])
-def test_attention_full_size(lengths, head_dim):
-    out, ref, _, _ = u.attention_case(lengths, 12, head_dim, DEV)
+def test_attention_full_size(lengths, head_dim, path):
+    if PATHS[path] is not None and PATHS[path].get("one_pass") and max(lengths) > 512:
+        pytest.skip("one pass holds at most 512 keys per row")
+    out, ref, _, _ = u.attention_case(lengths, 12, head_dim, DEV, config=PATHS[path])
     u.assert_int8_close(out, ref)
 
 
-def test_attention_padded_equals_packed_and_masked_rows():
+@pytest.mark.parametrize("path", ["table", "two_pass", "one_pass_m32_w8"])
+def test_attention_padded_equals_packed_and_masked_rows(path):
     lengths = [384, 100, 1, 0]
-    out_p, ref_p, cu_p, _ = u.attention_case(lengths, 12, 64, DEV, padded=True)
+    out_p, ref_p, cu_p, _ = u.attention_case(lengths, 12, 64, DEV, padded=True, config=PATHS[path])
     u.assert_int8_close(out_p, ref_p)
     s = max(lengths)
     assert int(out_p[3 * s: 4 * s].abs().max()) == 0  # fully masked sequence: p = 0, ctx = 0

@@ -21,6 +21,9 @@ Symbols: activations are quantized per tensor, `x ~ s_x * x_q`; weights per outp
   `P_q . V_q` in int32; the epilogue dequantizes `ctx = acc * s_p * s_v`, merges heads and requantizes
   `sat(rne(ctx / s_ctx))` into `[T, hidden]`. Probabilities never leave the chip. Two passes because the
   requantization needs the final (normalised) probabilities, which an online softmax only knows at the end.
+  Where the batch's longest sequence fits one key block (`attention_one_pass`, up to 128 keys on sm90), a
+  single pass holds whole score rows: m and l are plain reductions and each score is computed and
+  exponentiated once (l is then a direct sum, not an online one: at most one code apart at rounding ties).
   A row with no unmasked key gets p = 0 everywhere (ctx = 0), never NaN.
 * `layernorm_quant` -- `o = (y - mean) / sqrt(var + eps) * gamma + beta` per row of fp16 `y`, stored
   fp16 (mode 1) and/or int8 `sat(rne(o16 / s_out))` where o16 is o rounded to fp16 when the fp16 copy is
@@ -64,6 +67,14 @@ ENCODER_CONFIGS = {
         # 128x128x128 / 4 warps / 3 stages first for it too (16384 tokens: 89.7 us vs 111.2 for 128x64).
         # the sweep's best at 128x128 (70.7 us vs 74.6 for 64x64x2 stages) and within 1% of it at 32x384
         "attention": {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3},
+        # one pass (whole score rows on chip) up to these key counts: (max_seqlen, tile), the first that covers
+        # the batch's longest sequence
+        # (benchmarks/tune_encoder.py TUNE_ATTN=one_pass, CUDA graphs: 128x128 tokens 54.3 us vs 68.4 for the
+        # two-pass config, 32x128 18.9 vs 22.6; at 384 and 512 keys every one-pass tile spills and loses, best
+        # 153.9 vs 111.7 and 104.9 vs 97.5)
+        "attention_one_pass": [
+            (128, {"block_m": 64, "num_warps": 4, "num_stages": 1}),
+        ],
         # LayerNorm: rows per program = budget // next_pow2(N), warps = rows * next_pow2(N) // elements per
         # warp; the reciprocal requantization halves its time (benchmarks/tune_encoder.py, N = 768, mode 1's
         # fp16 + int8 outputs at 16384 rows: 4 rows, 2 warps, reciprocal 30.3 us vs 55.7 us for 4 warps and
@@ -85,6 +96,7 @@ ENCODER_CONFIGS = {
             (32, 32, 32, 4, 2, 0.0),
         ],
         "attention": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
+        "attention_one_pass": [(128, {"block_m": 32, "num_warps": 4, "num_stages": 1})],
         "layernorm_rows_budget": 2048,
         "layernorm_elements_per_warp": 1024,
         "layernorm_reciprocal": False,
@@ -369,13 +381,22 @@ def _masked_scores(q, k_base, key_mask_ptr, start, n0, length, score_scale_log2,
 
 
 @triton.jit
+def _p_factor(l, inv_p_scale):
+    """1 / l and 1 / s_p folded into one factor per row; rows without any unmasked key (l = 0) get 0."""
+    return tl.where(l > 0.0, inv_p_scale / tl.where(l > 0.0, l, 1.0), 0.0)
+
+
+@triton.jit
 def _int8_attention_kernel(
     qk_ptr, vt_ptr, out_ptr, cu_seqlens_ptr, key_mask_ptr,
     T, k_plane, stride_vt, stride_om,
     score_scale_log2, inv_p_scale, ctx_scale, out_scale,
-    HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr, ONE_PASS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    """ONE_PASS (BLOCK_N >= the longest sequence): the block's whole score rows at once, so the row max and
+    the normaliser are exact reductions and each score is computed and exponentiated once; otherwise two
+    passes over key blocks (online max / normaliser, then recomputed scores)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -390,34 +411,54 @@ def _int8_attention_kernel(
         k_base = qk_ptr + k_plane + head_off
         vt_base = vt_ptr + head.to(tl.int64) * HEAD_DIM * stride_vt
 
-        # Pass 1: row max and normaliser (base-2 units: score_scale_log2 folds in log2(e)).
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        for n0 in range(0, length, BLOCK_N):
-            s, cols, in_seq = _masked_scores(q, k_base, key_mask_ptr, start, n0, length, score_scale_log2,
+        if ONE_PASS:
+            s, cols, in_seq = _masked_scores(q, k_base, key_mask_ptr, start, 0, length, score_scale_log2,
                                              HEAD_DIM, HAS_MASK, BLOCK_N)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
-            m_i = m_new
-
-        # Pass 2: final probabilities, quantized on chip, times V.
-        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-        # 1/l and 1/s_p folded into one factor; rows without any unmasked key get 0.
-        p_factor = tl.where(l_i > 0.0, inv_p_scale / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
-        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.int32)
-        for n0 in range(0, length, BLOCK_N):
-            s, cols, in_seq = _masked_scores(q, k_base, key_mask_ptr, start, n0, length, score_scale_log2,
-                                             HEAD_DIM, HAS_MASK, BLOCK_N)
-            p = tl.exp2(s - m_safe[:, None]) * p_factor[:, None]
-            p_q = to_int8_sat(p)
+            m_i = tl.max(s, 1)
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+            e = tl.exp2(s - m_safe[:, None])
+            p_q = to_int8_sat(e * _p_factor(tl.sum(e, 1), inv_p_scale)[:, None])
             vt = tl.load(vt_base + d[:, None] * stride_vt + (start + cols)[None, :], mask=in_seq[None, :], other=0)
-            acc = tl.dot(p_q, tl.trans(vt), acc, out_dtype=tl.int32)
+            acc = tl.dot(p_q, tl.trans(vt), out_dtype=tl.int32)
+        else:
+            # Pass 1: row max and normaliser (base-2 units: score_scale_log2 folds in log2(e)).
+            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            l_i = tl.zeros((BLOCK_M,), tl.float32)
+            for n0 in range(0, length, BLOCK_N):
+                s, cols, in_seq = _masked_scores(q, k_base, key_mask_ptr, start, n0, length, score_scale_log2,
+                                                 HEAD_DIM, HAS_MASK, BLOCK_N)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+                m_i = m_new
+
+            # Pass 2: final probabilities, quantized on chip, times V.
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+            p_factor = _p_factor(l_i, inv_p_scale)
+            acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.int32)
+            for n0 in range(0, length, BLOCK_N):
+                s, cols, in_seq = _masked_scores(q, k_base, key_mask_ptr, start, n0, length, score_scale_log2,
+                                                 HEAD_DIM, HAS_MASK, BLOCK_N)
+                p = tl.exp2(s - m_safe[:, None]) * p_factor[:, None]
+                p_q = to_int8_sat(p)
+                vt = tl.load(vt_base + d[:, None] * stride_vt + (start + cols)[None, :], mask=in_seq[None, :],
+                             other=0)
+                acc = tl.dot(p_q, tl.trans(vt), acc, out_dtype=tl.int32)
 
         ctx = acc.to(tl.float32) * ctx_scale
         o = to_int8_sat(tl.math.div_rn(ctx, out_scale + tl.zeros_like(ctx)))
         tl.store(out_ptr + (start + rows)[:, None].to(tl.int64) * stride_om + head * HEAD_DIM + d[None, :], o,
                  mask=row_ok[:, None])
+
+
+def _attention_config(device: torch.device, max_seqlen: int) -> dict:
+    """The one-pass tile for the first `attention_one_pass` entry whose key count covers max_seqlen, else the
+    two-pass config."""
+    table = _table(device)
+    for max_keys, cfg in table["attention_one_pass"]:
+        if max_seqlen <= max_keys:
+            return dict(cfg, one_pass=True)
+    return table["attention"]
 
 
 def int8_attention(
@@ -435,11 +476,14 @@ def int8_attention(
 ) -> torch.Tensor:
     """Attention over packed sequences. qk [2, heads, T, d] int8, vt [heads, d, T_v] int8,
     cu_seqlens int32 [B + 1], key_mask int8 [T] (nonzero = attend) or None. Returns int8 [T, heads * d].
-    config (block_m, block_n, num_warps, num_stages) overrides the table (benchmarks/tune_encoder.py)."""
+    config (block_m, block_n, num_warps, num_stages, and optionally one_pass: the whole key range in one block,
+    block_n then being the next power of two of max_seqlen, at least 32) overrides the table (benchmarks/tune_encoder.py)."""
     _, heads, t, head_dim = qk.shape
-    cfg = config or _table(qk.device)["attention"]
+    cfg = config or _attention_config(qk.device, max_seqlen)
+    one_pass = bool(cfg.get("one_pass", False))
     bm = cfg["block_m"]
-    bn = cfg["block_n"]
+    # P.V's K is the key block: int8 tensor-core products need K >= 32 (16 gave wrong results on the H100)
+    bn = max(32, triton.next_power_of_2(max(max_seqlen, 1))) if one_pass else cfg["block_n"]
     out = torch.empty((t, heads * head_dim), dtype=torch.int8, device=qk.device)
     batch = cu_seqlens.numel() - 1
     grid = (triton.cdiv(max(max_seqlen, 1), bm), heads, batch)
@@ -448,7 +492,7 @@ def int8_attention(
         qk, vt, out, cu_seqlens, key_mask if key_mask is not None else cu_seqlens,
         t, heads * t * head_dim, vt.stride(1), out.stride(0),
         score_scale_log2, 1.0 / p_scale, p_scale * v_scale, out_scale,
-        HEAD_DIM=head_dim, HAS_MASK=key_mask is not None,
+        HEAD_DIM=head_dim, HAS_MASK=key_mask is not None, ONE_PASS=one_pass,
         BLOCK_M=bm, BLOCK_N=bn, INTERPRET=INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
