@@ -19,6 +19,9 @@ Three parts, one run (stops early at TUNE_BUDGET_S seconds, default 480, and sti
 Writes tune_encoder.json (rows with part, shape, config, us, and the peers' us). `--dry-run` lists the
 candidates and runs one of each on CPU under the interpreter with tiny shapes.
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_encoder.py
+Narrowing (environment): TUNE_M=1024,4096 (GEMM rows), TUNE_TILES=128x128x128x4x3,... (GEMM tiles),
+TUNE_RECIP=1 / TUNE_FAST_GELU=0,1 (epilogue options), TUNE_FC1_NOGELU=1 (FC1 without GELU, its cost),
+TUNE_ATTN=one_pass (the one-pass attention tiles). GEMM and attention parts time under CUDA graphs.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = float(os.environ.get("TUNE_BUDGET_S", "480"))
 HIDDEN, HEADS, INTER, LAYERS = 768, 12, 3072, 12
 GEMMS = [("qkv", 3 * HIDDEN, HIDDEN), ("o", HIDDEN, HIDDEN), ("fc1", INTER, HIDDEN), ("fc2", HIDDEN, INTER)]
-GEMM_M = [4096, 16384]
+GEMM_M = [int(m) for m in os.environ.get("TUNE_M", "4096,16384").split(",")]
 GEMM_TILES = [
     # (block_m, block_n, block_k, num_warps, num_stages)
     (128, 256, 128, 8, 3), (128, 256, 64, 8, 4), (128, 128, 128, 8, 4), (128, 128, 64, 4, 4),

@@ -54,12 +54,14 @@ from .configs import arch_key, sm_count
 ENCODER_CONFIGS = {
     "sm90": {
         # (block_m, block_n, block_k, num_warps, num_stages, min_waves)
-        # From benchmarks/tune_encoder.py on the H100 (BERT-base GEMMs at 4096 and 16384 tokens): 128x128x128
-        # with 4 warps and 3 stages once the grid fills two waves (fc1 at 16384 tokens 185 us vs 234 us for
-        # the earlier 8-warp, 4-stage first choice; o 65.9 vs 80.3), else 128x64 (o at 4096: 26.9 vs 56.1).
-        # 128x256 tiles are out: compiled for sm90 (Triton's ptxas, offline) their epilogues spill.
+        # From benchmarks/tune_encoder.py on the H100 (BERT-base GEMMs at 1024, 4096 and 16384 tokens, CUDA
+        # graphs; tune_encoder_gemm_tiles.json): 128x128x128 with 4 warps and 3 stages once the grid fills one
+        # wave (fc2 at 4096 tokens 25.5 us vs 31.2 for 128x64, o 14.5 vs 15.2, qkv at 1024 11.9 vs 12.8; fc1
+        # at 16384 185 us vs 234 for the earlier 8-warp, 4-stage first choice), else 128x64, else 64x64 (o and
+        # fc2 at 1024 tokens: 7.0 and 13.2 us, the best of the sweep). 128x256 tiles are out: compiled for sm90
+        # (Triton's ptxas, offline) their epilogues spill.
         "gemm": [
-            (128, 128, 128, 4, 3, 2.0),
+            (128, 128, 128, 4, 3, 1.0),
             (128, 64, 128, 4, 4, 1.0),
             (64, 64, 128, 4, 4, 0.0),
         ],
