@@ -246,6 +246,15 @@ def test_attention_default_path_by_longest_sequence(monkeypatch):
         assert seen.pop() == (one_pass, block_n)
 
 
+def test_attention_one_pass_refuses_long_rows():
+    cfg = dict(u.ATTENTION_PATHS["one_pass"])
+    qk = u.int8(2, 2, 600, 16)
+    vt = u.int8(2, 16, 600)
+    cu = torch.tensor([0, 600], dtype=torch.int32)
+    with pytest.raises(ValueError, match="one_pass"):
+        ke.int8_attention(qk, vt, cu, 600, None, 0.02, 0.02, 0.05, 1.0 / 127, 0.1, config=cfg)
+
+
 def test_attention_mask_changes_result():
     # masking keys must change the outputs of the other rows (the mask is really applied)
     torch.manual_seed(5)

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _encoder_util as u  # noqa: E402
 from quantfuse import ops  # noqa: E402
 from quantfuse.encoder import Int8Encoder  # noqa: E402
+from quantfuse.kernels import encoder as ke  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -55,8 +56,8 @@ PATHS = dict(ONE_PASS_TILES, table=None, two_pass={"block_m": 64, "block_n": 32,
 @pytest.mark.parametrize("lengths", [[1], [31, 32], [127, 1, 64], [384, 200, 384], [512, 17], [600, 300]])
 @pytest.mark.parametrize("head_dim", [64, 32])
 def test_attention_full_size(lengths, head_dim, path):
-    if PATHS[path] is not None and PATHS[path].get("one_pass") and max(lengths) > 512:
-        pytest.skip("one pass holds at most 512 keys per row")
+    if PATHS[path] is not None and PATHS[path].get("one_pass") and max(lengths) > ke.ONE_PASS_MAX_KEYS:
+        pytest.skip("one pass holds at most ONE_PASS_MAX_KEYS keys per row (refused: CPU test)")
     out, ref, _, _ = u.attention_case(lengths, 12, head_dim, DEV, config=PATHS[path])
     u.assert_int8_close(out, ref)
 
