@@ -27,3 +27,18 @@ def assert_codes_equal(actual: torch.Tensor, expected: torch.Tensor, tie_rate: f
     assert int(diff.max()) <= 1, f"a code differs by {int(diff.max())} steps"
     rate = float((diff != 0).float().mean())
     assert rate < tie_rate, f"mismatch rate {rate} >= {tie_rate}"
+
+
+class KernelSpy:
+    """Wraps a Triton kernel: records the keyword arguments (constexprs) and grid of every launch, then
+    launches it. Install with monkeypatch.setattr(module, "_kernel", KernelSpy(module._kernel))."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(dict(kwargs, grid=grid))
+            return self.fn[grid](*args, **kwargs)
+
+        return launch

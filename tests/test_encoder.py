@@ -33,6 +33,7 @@ from quantfuse import encoder as enc  # noqa: E402
 from quantfuse import ops  # noqa: E402
 from quantfuse.encoder import Int8Encoder, pack_mask  # noqa: E402
 from quantfuse.kernels import encoder as ke  # noqa: E402
+from tests._util import KernelSpy  # noqa: E402
 
 DEV = "cpu"
 VOCAB = 100
@@ -227,23 +228,15 @@ def test_attention_default_path_by_longest_sequence(monkeypatch):
     """The table's one-pass tile while the longest sequence fits its key count, the two-pass config past it;
     both agree with the reference (the one-pass normaliser is a direct sum, the two-pass one an online sum:
     at most one code apart)."""
-    seen = []
-    real = ke._int8_attention_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                seen.append((kwargs["ONE_PASS"], kwargs["BLOCK_N"]))
-                return real[grid](*args, **kwargs)
-            return run
-
-    monkeypatch.setattr(ke, "_int8_attention_kernel", Spy())
+    spy = KernelSpy(ke._int8_attention_kernel)
+    monkeypatch.setattr(ke, "_int8_attention_kernel", spy)
     limit = ke._table(torch.device(DEV))["attention_one_pass"][-1][0]
     for lengths, one_pass, block_n in (([1, 3], True, 32), ([5, 33], True, 64), ([limit, 3], True, limit),
                                         ([limit + 1], False, ke._table(torch.device(DEV))["attention"]["block_n"])):
         out, ref, _, _ = u.attention_case(lengths, 2, 16, DEV)
         u.assert_int8_close(out, ref)
-        assert seen.pop() == (one_pass, block_n)
+        call = spy.calls.pop()
+        assert (call["ONE_PASS"], call["BLOCK_N"]) == (one_pass, block_n)
 
 
 def test_attention_one_pass_refuses_long_rows():

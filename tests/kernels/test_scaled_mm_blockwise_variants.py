@@ -18,6 +18,7 @@ import torch
 
 from quantfuse import reference as ref
 from quantfuse.kernels import scaled_mm as kmm
+from tests._util import KernelSpy
 
 from .test_scaled_mm import assert_mm_close, rel_mean_err
 
@@ -82,19 +83,9 @@ def cfg(variant, block_m=32, block_n=64, block_k=128, split_k=1):
 @pytest.fixture
 def launches(monkeypatch):
     """Records the constexprs of every blockwise kernel launch (proves which variant ran)."""
-    seen = []
-    real = kmm._blockwise_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                seen.append({key: kwargs[key] for key in (
-                    "SCALE_MODE", "SB_PER_TILE", "PROMOTE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")})
-                return real[grid](*args, **kwargs)
-            return run
-
-    monkeypatch.setattr(kmm, "_blockwise_kernel", Spy())
-    return seen
+    spy = KernelSpy(kmm._blockwise_kernel)
+    monkeypatch.setattr(kmm, "_blockwise_kernel", spy)
+    return spy.calls
 
 
 def expected_modes(config):

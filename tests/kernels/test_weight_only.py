@@ -9,6 +9,7 @@ from quantfuse import ops
 from quantfuse import reference as ref
 from quantfuse.kernels import weight_only as kw
 from quantfuse.weights import QuantizedWeight, pack_codes, unpack_codes
+from tests._util import KernelSpy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -230,17 +231,8 @@ def test_packed_converter_exhaustive_codes_zero_points_scales(bits, dtype, monke
     scales = _scales_16bit(n, dtype)
     expected = ref.dequantize_weight(u, scales, zeros, -1, dtype)
     tile = dict(block_m=64, block_n=64, num_warps=4, num_stages=2, programs_per_sm=1, chunks=2, convert="packed")
-    calls = []
-    real = kw._wo_mm_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                calls.append(kwargs["CONVERT"])
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(kw, "_wo_mm_kernel", Spy())
+    spy = KernelSpy(kw._wo_mm_kernel)
+    monkeypatch.setattr(kw, "_wo_mm_kernel", spy)
     for qw, want in ((QuantizedWeight.from_codes(u, scales, zeros, bits, -1), expected),
                      (QuantizedWeight.from_codes(u[:3], scales[:, :3], None, bits, -1),  # implicit 2^(bits-1)
                       ref.dequantize_weight(u[:3], scales[:, :3], torch.full((1, 3), top // 2), -1, dtype))):
@@ -248,7 +240,7 @@ def test_packed_converter_exhaustive_codes_zero_points_scales(bits, dtype, monke
         eye = torch.eye(k, dtype=dtype)
         got = kw.fused_mm(eye, qw.qweight, qw.scales, qw.zeros, None, bits, -1, qw.shape[0], tile=tile, splits=1)
         assert_bitwise_equal(got.t().contiguous(), want)
-    assert calls == [kw._CONVERTS["packed"]] * 2
+    assert [c["CONVERT"] for c in spy.calls] == [kw._CONVERTS["packed"]] * 2
 
 
 @pytest.mark.parametrize("bits", [4, 8])

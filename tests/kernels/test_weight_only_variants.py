@@ -32,6 +32,7 @@ import torch
 
 from quantfuse import ops
 from quantfuse.kernels import weight_only as kw
+from tests._util import KernelSpy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -95,24 +96,10 @@ def run(x, qw, t, splits, bias=None):
     return kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, bias, qw.bits, qw.group_size, n, tile=t, splits=splits)
 
 
-class Spy:
-    """Wraps a Triton kernel: records the constexprs of every launch, then launches it."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.calls.append(dict(kwargs, grid=grid))
-            return self.fn[grid](*args, **kwargs)
-
-        return launch
-
-
 def launch_spied(monkeypatch, x, qw, t, splits, bias=None):
     """fused_mm with tile t (one launch of t's kernel), and that launch's keyword arguments."""
     name = "_wo_gemv_kernel" if t["kernel"] == "gemv" else "_wo_mm_kernel"
-    spy = Spy(getattr(kw, name))
+    spy = KernelSpy(getattr(kw, name))
     monkeypatch.setattr(kw, name, spy)
     out = run(x, qw, t, splits, bias)
     monkeypatch.undo()
@@ -477,7 +464,7 @@ def test_gemv_fused_reduce_equals_reduce_kernel(monkeypatch):
     x = torch.randn(5, 1024).to(BF16)
     bias = torch.randn(100).to(BF16)
     t = tile("gemv", block_m=3, block_n=32, chunks=2, convert="inplace", scale="auto")
-    spy = Spy(kw._wo_gemv_kernel)
+    spy = KernelSpy(kw._wo_gemv_kernel)
     monkeypatch.setattr(kw, "_wo_gemv_kernel", spy)
     fused = run(x, qw, t, 3, bias)
     table = dict(kw._DISPATCH["default"], fused_reduce_max_m=0)
