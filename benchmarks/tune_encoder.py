@@ -21,7 +21,8 @@ candidates and runs one of each on CPU under the interpreter with tiny shapes.
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_encoder.py
 Narrowing (environment): TUNE_M=1024,4096 (GEMM rows), TUNE_TILES=128x128x128x4x3,... (GEMM tiles),
 TUNE_RECIP=1 / TUNE_FAST_GELU=0,1 (epilogue options), TUNE_FC1_NOGELU=1 (FC1 without GELU, its cost),
-TUNE_ATTN=one_pass (the one-pass attention tiles). GEMM and attention parts time under CUDA graphs.
+TUNE_ATTN=one_pass (the one-pass attention tiles), TUNE_ALIGNED=0,1 (16-aligned sequence starts),
+TUNE_ATTN_SHAPES=32x384,16x512 (attention batch x seq). GEMM and attention parts time under CUDA graphs.
 """
 
 from __future__ import annotations
@@ -67,13 +68,20 @@ if os.environ.get("TUNE_ATTN") == "one_pass":
     ATTN_CONFIGS.append(dict(block_m=64, block_n=32, num_warps=4, num_stages=3))
 
 
+# TUNE_ALIGNED=0,1: each attention config also (or only) with the padded path's 16-aligned sequence starts
+ATTN_ALIGNED = [a == "1" for a in os.environ.get("TUNE_ALIGNED", "0").split(",")]
+if os.environ.get("TUNE_ATTN_SHAPES"):  # e.g. 32x384,16x512
+    ATTN_SHAPES = [tuple(int(v) for v in t.split("x")) for t in os.environ["TUNE_ATTN_SHAPES"].split(",")]
+
+
 def candidates():
     recips = [r == "1" for r in os.environ.get("TUNE_RECIP", "0,1").split(",")]
     fasts = [f == "1" for f in os.environ.get("TUNE_FAST_GELU", "1").split(",")]
     gemm = [(name, m, n, k, tile, recip, fast) for name, n, k in GEMMS for m in GEMM_M for tile in GEMM_TILES
             for recip in (recips if name in ("qkv", "fc1", "fc1_nogelu") else (False,))
             for fast in (fasts if name == "fc1" else (None,))]
-    attn = [(b, s, cfg) for b, s in ATTN_SHAPES for cfg in ATTN_CONFIGS]
+    attn = [(b, s, dict(cfg, aligned=True) if aligned else cfg) for b, s in ATTN_SHAPES for cfg in ATTN_CONFIGS
+            for aligned in ATTN_ALIGNED]
     return gemm, attn
 
 
@@ -116,7 +124,10 @@ def attention_inputs(batch, seq, device):
 def attention_call(qk, vt, cu, seq, cfg):
     from quantfuse.kernels import encoder as ke
 
-    return ke.int8_attention(qk, vt, cu, seq, None, 0.02, 3.0 / (74 * 74 * 0.02), 0.05, 1.0 / 127, 0.1, config=cfg)
+    cfg = dict(cfg)
+    aligned = cfg.pop("aligned", False)  # cu holds multiples of seq, vt rows are batch * seq long
+    return ke.int8_attention(qk, vt, cu, seq, None, 0.02, 3.0 / (74 * 74 * 0.02), 0.05, 1.0 / 127, 0.1, config=cfg,
+                             aligned_starts=aligned and seq % 16 == 0)
 
 
 def profile_forwards(rows, deadline):

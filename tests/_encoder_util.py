@@ -79,9 +79,11 @@ def gemm_case(kind, m, n, k, device, heads=2, residual=None, column=False, confi
     return out, ref
 
 
-def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=False, config=None):
+def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=False, config=None, aligned=False):
     """Packed (or padded to max length with a key mask) attention through kernel and reference; config: a
-    forced kernel config (e.g. one of ATTENTION_PATHS)."""
+    forced kernel config (e.g. one of ATTENTION_PATHS). aligned: the kernel told that sequences start on
+    multiples of 16 (padded to a multiple of 16 only), V^T rows a multiple of 16 long."""
+    assert not aligned or (padded and max(lengths) % 16 == 0)
     if padded:
         s = max(lengths)
         cu = torch.arange(0, (len(lengths) + 1) * s, s, dtype=torch.int32, device=device)
@@ -99,7 +101,8 @@ def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=Fa
         key_mask = torch.ones(t, dtype=torch.int8, device=device) if key_mask is None else key_mask
         key_mask[masked_keys] = 0
     qk = int8(2, heads, t, head_dim, device=device)
-    vt = torch.zeros(heads, head_dim, t + 3, dtype=torch.int8, device=device)
+    # an odd V^T row length unless aligned (then the next multiple of 16 past t, plus one spare block)
+    vt = torch.zeros(heads, head_dim, -(-t // 16) * 16 + 16 if aligned else t + 3, dtype=torch.int8, device=device)
     vt[:, :, :t] = int8(heads, head_dim, t, device=device)
     # score std ~ 127*74*sqrt(d) * s_q s_k / sqrt(d): pick s_q s_k so scores spread over a few units
     args = (qk, vt, cu, max_len, key_mask, 0.02, 3.0 / (74 * 74 * 0.02), 0.05, 1.0 / 127, 0.1)
@@ -107,7 +110,7 @@ def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=Fa
     with ops.backend("triton"):
         from quantfuse.kernels import encoder as ke
 
-        out = ke.int8_attention(*args, config=config)
+        out = ke.int8_attention(*args, config=config, aligned_starts=aligned)
     return out, ref, cu, key_mask
 
 

@@ -76,7 +76,7 @@ def test_gemm_qkv_store_paths(heads, head_dim, block_n):
 def _gelu_probe(x_ptr, out_ptr, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
-    tl.store(out_ptr + offs, ke._gelu(x, FAST), mask=offs < n)
+    tl.store(out_ptr + offs, ke._gelu(x, FAST, ke.INTERPRET), mask=offs < n)
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -212,6 +212,20 @@ def test_attention_padded_with_fully_masked_rows(path):
     u.assert_int8_close(out, ref)
     assert torch.isfinite(out.float()).all()
     assert int(out[64:96].abs().max()) == 0  # p = 0 everywhere: ctx = 0, never NaN
+
+
+@pytest.mark.parametrize("path", sorted(u.ATTENTION_PATHS))
+@pytest.mark.parametrize("lengths", [[32, 31, 0, 1], [48, 48, 17]])
+def test_attention_aligned_starts(lengths, path):
+    """The padded path's promise of 16-aligned sequence starts (V^T loaded in aligned 16-byte runs): same
+    codes as the reference, masked padding and an empty sequence included."""
+    out, ref, cu, _ = u.attention_case(lengths, 2, 16, DEV, padded=True, config=u.ATTENTION_PATHS[path],
+                                       aligned=True)
+    u.assert_int8_close(out, ref)
+    s = max(lengths)
+    if 0 in lengths:
+        b = lengths.index(0)
+        assert int(out[b * s:(b + 1) * s].abs().max()) == 0
 
 
 @pytest.mark.parametrize("path", sorted(u.ATTENTION_PATHS))

@@ -115,10 +115,10 @@ def reference_int8_gemm(a, w, a_scale, w_scale, bias, epilogue, *, out_scale=Non
 
 
 def reference_int8_attention(qk, vt, cu_seqlens, max_seqlen, key_mask, q_scale, k_scale, v_scale, p_scale,
-                             out_scale):
+                             out_scale, aligned_starts=False):
     """Per sequence: s = (Q_q K_q^T) * s_q s_k / sqrt(d) over unmasked keys, p = softmax(s) in float32,
     p_q = sat(rne(p / s_p)), ctx = (P_q V_q) * s_p s_v, out = sat(rne(ctx / s_ctx)) with heads merged.
-    A row with no unmasked key gets p = 0."""
+    A row with no unmasked key gets p = 0. aligned_starts (a layout promise the kernel uses) changes nothing."""
     _, heads, t, d = qk.shape
     out = torch.zeros((t, heads * d), dtype=torch.int8, device=qk.device)
     score_scale = torch.tensor(_f32(q_scale * k_scale / math.sqrt(d)), dtype=torch.float32, device=qk.device)
@@ -496,7 +496,8 @@ class Int8Encoder(torch.nn.Module):
         emb = self.word_emb[input_ids].float() + self.pos_emb[positions].float() + self.token_type[token_type_ids].float()
         return emb.to(torch.float16)
 
-    def _layers(self, emb16: Tensor, cu_seqlens: Tensor, max_seqlen: int, key_mask: Optional[Tensor]) -> Tensor:
+    def _layers(self, emb16: Tensor, cu_seqlens: Tensor, max_seqlen: int, key_mask: Optional[Tensor],
+                aligned_starts: bool = False) -> Tensor:
         ops = _ops_for(emb16)
         mode1 = self.mode == 1
         s_in = self.scales["in"]
@@ -508,7 +509,7 @@ class Int8Encoder(torch.nn.Module):
             qk, vt = ops.int8_gemm(xq, g("qkv_w"), sc["in"], g("qkv_ws"), g("qkv_b"), "qkv", out_scale=g("qkv_os"),
                                    heads=self.heads, head_dim=self.head_dim, vt_stride=max(16, -(-t // 16) * 16))
             ctx = ops.int8_attention(qk, vt, cu_seqlens, max_seqlen, key_mask, sc["q"], sc["k"], sc["v"], sc["p"],
-                                     sc["ctx"])
+                                     sc["ctx"], aligned_starts=aligned_starts)
             y = ops.int8_gemm(ctx, g("o_w"), sc["ctx"], g("o_ws"), g("o_b"), "residual",
                               residual=x16 if mode1 else xq, residual_scale=g("in_cs"))
             h16, hq = ops.layernorm_quant(y, g("ln1_w"), g("ln1_b"), self.eps, g("h_cs"), mode1)
@@ -562,4 +563,5 @@ class Int8Encoder(torch.nn.Module):
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=input_ids.device)
         key_mask = (attention_mask.reshape(-1) != 0).to(torch.int8)
         emb16 = self._embed(input_ids.reshape(-1), token_type_ids.reshape(-1), positions.reshape(-1))
-        return self._layers(emb16, cu, s, key_mask).view(b, s, self.hidden)
+        # cu holds multiples of s: the attention may assume 16-aligned sequence starts when s is a multiple of 16
+        return self._layers(emb16, cu, s, key_mask, aligned_starts=s % 16 == 0).view(b, s, self.hidden)

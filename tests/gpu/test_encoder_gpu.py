@@ -49,7 +49,8 @@ def test_gemm_per_column_scales_full_size(m, kind, residual):
 # the table's choice (one pass up to its key limit, two passes past it) and each one-pass tile forced
 ONE_PASS_TILES = {f"one_pass_m{bm}_w{w}": {"block_m": bm, "num_warps": w, "num_stages": 1, "one_pass": True}
                   for bm, w in ((16, 4), (32, 8), (64, 4), (64, 8), (128, 8))}
-PATHS = dict(ONE_PASS_TILES, table=None, two_pass={"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3})
+PATHS = dict(ONE_PASS_TILES, table=None, two_pass={"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3},
+             two_pass_m128_w8={"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3})
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -62,13 +63,14 @@ def test_attention_full_size(lengths, head_dim, path):
     u.assert_int8_close(out, ref)
 
 
-@pytest.mark.parametrize("path", ["table", "two_pass", "one_pass_m32_w8"])
-def test_attention_padded_equals_packed_and_masked_rows(path):
-    lengths = [384, 100, 1, 0]
-    out_p, ref_p, cu_p, _ = u.attention_case(lengths, 12, 64, DEV, padded=True, config=PATHS[path])
+@pytest.mark.parametrize("path", ["table", "two_pass", "two_pass_m128_w8", "one_pass_m32_w8"])
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("lengths", [[384, 100, 1, 0], [128, 77, 0, 128]])
+def test_attention_padded_equals_packed_and_masked_rows(path, aligned, lengths):
+    out_p, ref_p, cu_p, _ = u.attention_case(lengths, 12, 64, DEV, padded=True, config=PATHS[path], aligned=aligned)
     u.assert_int8_close(out_p, ref_p)
-    s = max(lengths)
-    assert int(out_p[3 * s: 4 * s].abs().max()) == 0  # fully masked sequence: p = 0, ctx = 0
+    s, b = max(lengths), lengths.index(0)
+    assert int(out_p[b * s:(b + 1) * s].abs().max()) == 0  # fully masked sequence: p = 0, ctx = 0
 
 
 @pytest.mark.parametrize("m,n", [(1, 768), (4099, 768), (513, 1024), (77, 384)])

@@ -48,9 +48,39 @@ def rne_f64(x):
 @triton.jit
 def to_int8_sat(v):
     """sat_int8(rne(v)) for float32 v. Clamping before rounding equals rounding before saturating
-    because the bounds are integers; NaN becomes a bound (maxnum semantics), never a crash."""
+    because the bounds are integers; NaN becomes a bound (maxnum semantics), never a crash.
+
+    The integer comes out of the float's bits rather than a float -> int conversion: v + 1.5 * 2^23 rounds v to
+    even and leaves 2^22 + rne(v) in the mantissa, whose low byte is rne(v) as a two's complement int8
+    (2^22 is a multiple of 256). On sm90 the conversion (F2I) issues on the quarter-rate pipe shared with
+    exp2 / reciprocal; the byte extraction is free in the store's byte packing (offline SASS of the encoder's
+    GELU epilogue: one FADD per element instead of FADD + FADD + F2I)."""
     v = tl.minimum(tl.maximum(v, -128.0), 127.0)
-    return rne_f32(v).to(tl.int8)
+    return (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+
+
+@triton.jit
+def exp2_approx(x, INTERPRET: tl.constexpr):
+    """2^x through the hardware approximation with denormals flushed (ex2.approx.ftz.f32, about 2 ulp): plain
+    tl.exp2 compiles to the non-ftz form, which wraps the MUFU op in a range test and two multiplies per
+    element. Results below 2^-126 become 0 (a softmax weight or an erfc tail that small is 0 after int8
+    quantization anyway). The interpreter computes 2^x in float32."""
+    if INTERPRET:
+        return tl.exp2(x)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def rcp_approx(x, INTERPRET: tl.constexpr):
+    """1 / x through rcp.approx.ftz.f32 (1 ulp): one MUFU op, where tl.fdiv's div.full adds range fix-ups.
+    The interpreter divides in float32."""
+    if INTERPRET:
+        return 1.0 / x
+    else:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
 
 
 @triton.jit

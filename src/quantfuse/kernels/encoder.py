@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, to_int8_sat
+from ._common import INTERPRET, exp2_approx, rcp_approx, to_int8_sat
 from .configs import arch_key, sm_count
 
 # ----------------------------------------------------------------------------------------------------
@@ -67,13 +67,19 @@ ENCODER_CONFIGS = {
         ],
         # The QKV GEMM uses the same list: once its head-split stores were vector stores, the same sweep put
         # 128x128x128 / 4 warps / 3 stages first for it too (16384 tokens: 89.7 us vs 111.2 for 128x64).
-        # the sweep's best at 128x128 (70.7 us vs 74.6 for 64x64x2 stages) and within 1% of it at 32x384
-        "attention": {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3},
+        # Two passes (longer sequences), from benchmarks/tune_encoder.py TUNE_ALIGNED=0,1 at 32x384 and 16x512
+        # (CUDA graphs; tune_encoder_attention_aligned.json): with 16-aligned sequence starts (the padded path)
+        # 64x64 / 4 warps / 3 stages, 76.5 and 64.9 us (V^T in asynchronous 16-byte copies; SDPA fp16 46.4 and
+        # 39.3); packed sequences at any offset load V^T a byte at a time, where 128x64 / 8 warps is best, 104.0
+        # and 87.6 us (the earlier 64x32 / 4 warps: 105.8 and 91.2).
+        "attention": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+        "attention_aligned": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
         # one pass (whole score rows on chip) up to these key counts: (max_seqlen, tile), the first that covers
         # the batch's longest sequence
         # (benchmarks/tune_encoder.py TUNE_ATTN=one_pass, CUDA graphs: 128x128 tokens 54.3 us vs 68.4 for the
         # two-pass config, 32x128 18.9 vs 22.6; at 384 and 512 keys every one-pass tile spills and loses, best
-        # 153.9 vs 111.7 and 104.9 vs 97.5)
+        # 153.9 vs 111.7 and 104.9 vs 97.5). With aligned starts (tune_encoder_attention_one_pass_aligned.json)
+        # the same tile stays first or within 7%: 128x128 41.7 us (SDPA fp16 42.1), 32x128 15.8 (bm 32: 15.6).
         "attention_one_pass": [
             (128, {"block_m": 64, "num_warps": 4, "num_stages": 1}),
         ],
@@ -99,6 +105,7 @@ ENCODER_CONFIGS = {
             (32, 32, 32, 4, 2, 0.0),
         ],
         "attention": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
+        "attention_aligned": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
         "attention_one_pass": [(128, {"block_m": 32, "num_warps": 4, "num_stages": 1})],
         "layernorm_rows_budget": 2048,
         "layernorm_elements_per_warp": 1024,
@@ -130,7 +137,7 @@ def _requant(v, scale, RECIPROCAL: tl.constexpr):
 
 
 @triton.jit
-def _gelu(v, FAST: tl.constexpr):
+def _gelu(v, FAST: tl.constexpr, INTERPRET: tl.constexpr):
     """erf-GELU 0.5 * v * (1 + erf(v / sqrt(2))). FAST: 1 + erf(z) from Abramowitz & Stegun 7.1.26,
     erfc(|z|) ~ t * poly5(t) * exp(-z^2) with t = 1 / (1 + p|z|) (|error| <= 1.5e-7), taken as is for z < 0
     (no cancellation in 1 + erf) and as 2 - erfc for z >= 0: branch-free, where libdevice's erff branches per
@@ -140,9 +147,9 @@ def _gelu(v, FAST: tl.constexpr):
     if FAST:
         z = v * 0.7071067811865476
         az = tl.abs(z)
-        t = tl.fdiv(1.0 + tl.zeros_like(az), 1.0 + 0.3275911 * az)
+        t = rcp_approx(1.0 + 0.3275911 * az, INTERPRET)
         poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-        erfc = poly * tl.exp2(-(az * az) * 1.4426950408889634)
+        erfc = poly * exp2_approx(-(az * az) * 1.4426950408889634, INTERPRET)
         return 0.5 * v * tl.where(z < 0.0, erfc, 2.0 - erfc)
     else:
         return 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
@@ -210,7 +217,7 @@ def _int8_gemm_kernel(
         tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
     elif EPILOGUE == 1:
         if GELU:
-            v = _gelu(v, FAST_GELU)
+            v = _gelu(v, FAST_GELU, INTERPRET)
         if COLUMN_OUT_SCALE:
             out_scale = tl.load(out_scale_ptr + rn, mask=n_ok, other=1.0)[None, :]
         else:
@@ -396,7 +403,7 @@ def _int8_attention_kernel(
     qk_ptr, vt_ptr, out_ptr, cu_seqlens_ptr, key_mask_ptr,
     T, k_plane, stride_vt, stride_om,
     score_scale_log2, inv_p_scale, ctx_scale, out_scale,
-    HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr, ONE_PASS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr, ONE_PASS: tl.constexpr, ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """ONE_PASS (BLOCK_N >= the longest sequence): the block's whole score rows at once, so the row max and
@@ -407,6 +414,12 @@ def _int8_attention_kernel(
     seq = tl.program_id(2)
     start = tl.load(cu_seqlens_ptr + seq)
     length = tl.load(cu_seqlens_ptr + seq + 1) - start
+    if ALIGNED:
+        # Every sequence starts and ends on a multiple of 16 tokens: V^T's key runs (and their masks) are then
+        # 16-byte aligned, so its tiles load as 16-byte asynchronous copies pipelined with the MMAs instead of
+        # one synchronous byte load per key (offline sm90 SASS: LDGSTS.128 instead of LDG.U8 + STS.U8).
+        start = tl.multiple_of(start, 16)
+        length = tl.multiple_of(length, 16)
     if pid_m * BLOCK_M < length:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, HEAD_DIM)
@@ -421,7 +434,7 @@ def _int8_attention_kernel(
                                              HEAD_DIM, HAS_MASK, BLOCK_N)
             m_i = tl.max(s, 1)
             m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-            e = tl.exp2(s - m_safe[:, None])
+            e = exp2_approx(s - m_safe[:, None], INTERPRET)
             p_q = to_int8_sat(e * _p_factor(tl.sum(e, 1), inv_p_scale)[:, None])
             vt = tl.load(vt_base + d[:, None] * stride_vt + (start + cols)[None, :], mask=in_seq[None, :], other=0)
             acc = tl.dot(p_q, tl.trans(vt), out_dtype=tl.int32)
@@ -434,7 +447,7 @@ def _int8_attention_kernel(
                                                  HEAD_DIM, HAS_MASK, BLOCK_N)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+                l_i = l_i * exp2_approx(m_i - m_safe, INTERPRET) + tl.sum(exp2_approx(s - m_safe[:, None], INTERPRET), 1)
                 m_i = m_new
 
             # Pass 2: final probabilities, quantized on chip, times V.
@@ -444,7 +457,7 @@ def _int8_attention_kernel(
             for n0 in range(0, length, BLOCK_N):
                 s, cols, in_seq = _masked_scores(q, k_base, key_mask_ptr, start, n0, length, score_scale_log2,
                                                  HEAD_DIM, HAS_MASK, BLOCK_N)
-                p = tl.exp2(s - m_safe[:, None]) * p_factor[:, None]
+                p = exp2_approx(s - m_safe[:, None], INTERPRET) * p_factor[:, None]
                 p_q = to_int8_sat(p)
                 vt = tl.load(vt_base + d[:, None] * stride_vt + (start + cols)[None, :], mask=in_seq[None, :],
                              other=0)
@@ -460,14 +473,14 @@ def _int8_attention_kernel(
 ONE_PASS_MAX_KEYS = 512
 
 
-def _attention_config(device: torch.device, max_seqlen: int) -> dict:
+def _attention_config(device: torch.device, max_seqlen: int, aligned: bool) -> dict:
     """The one-pass tile for the first `attention_one_pass` entry whose key count covers max_seqlen, else the
-    two-pass config."""
+    two-pass config for aligned or arbitrary sequence starts."""
     table = _table(device)
     for max_keys, cfg in table["attention_one_pass"]:
         if max_seqlen <= max_keys:
             return dict(cfg, one_pass=True)
-    return table["attention"]
+    return table["attention_aligned" if aligned else "attention"]
 
 
 def int8_attention(
@@ -482,13 +495,17 @@ def int8_attention(
     p_scale: float,
     out_scale: float,
     config: dict | None = None,
+    aligned_starts: bool = False,
 ) -> torch.Tensor:
     """Attention over packed sequences. qk [2, heads, T, d] int8, vt [heads, d, T_v] int8,
     cu_seqlens int32 [B + 1], key_mask int8 [T] (nonzero = attend) or None. Returns int8 [T, heads * d].
     config (block_m, block_n, num_warps, num_stages, and optionally one_pass: the whole key range in one block,
-    block_n then being the next power of two of max_seqlen, at least 32) overrides the table (benchmarks/tune_encoder.py)."""
+    block_n then being the next power of two of max_seqlen, at least 32) overrides the table (benchmarks/tune_encoder.py).
+    aligned_starts: the caller guarantees every cu_seqlens entry is a multiple of 16 (the padded path's
+    uniform batches of a length divisible by 16); V^T then loads as aligned 16-byte copies."""
     _, heads, t, head_dim = qk.shape
-    cfg = config or _attention_config(qk.device, max_seqlen)
+    aligned = bool(aligned_starts) and vt.stride(1) % 16 == 0
+    cfg = config or _attention_config(qk.device, max_seqlen, aligned)
     one_pass = bool(cfg.get("one_pass", False))
     if one_pass and max_seqlen > ONE_PASS_MAX_KEYS:
         raise ValueError(f"config: one_pass holds at most {ONE_PASS_MAX_KEYS} keys per row, max_seqlen is "
@@ -505,6 +522,7 @@ def int8_attention(
         t, heads * t * head_dim, vt.stride(1), out.stride(0),
         score_scale_log2, 1.0 / p_scale, p_scale * v_scale, out_scale,
         HEAD_DIM=head_dim, HAS_MASK=key_mask is not None, ONE_PASS=one_pass,
+        ALIGNED=aligned,
         BLOCK_M=bm, BLOCK_N=bn, INTERPRET=INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
