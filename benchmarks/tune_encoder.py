@@ -22,7 +22,8 @@ Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_encoder.py
 Narrowing (environment): TUNE_M=1024,4096 (GEMM rows), TUNE_TILES=128x128x128x4x3,... (GEMM tiles),
 TUNE_RECIP=1 / TUNE_FAST_GELU=0,1 (epilogue options), TUNE_FC1_NOGELU=1 (FC1 without GELU, its cost),
 TUNE_ATTN=one_pass (the one-pass attention tiles), TUNE_ALIGNED=0,1 (16-aligned sequence starts),
-TUNE_ATTN_SHAPES=32x384,16x512 (attention batch x seq). GEMM and attention parts time under CUDA graphs.
+TUNE_ATTN_SHAPES=32x384,16x512 (attention batch x seq), TUNE_PROFILE_SHAPES=32x128,... (profiled
+forwards). GEMM and attention parts time under CUDA graphs.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ if os.environ.get("TUNE_ATTN") == "one_pass":
     ATTN_CONFIGS.append(dict(block_m=64, block_n=32, num_warps=4, num_stages=3))
 
 
+PROFILE_SHAPES = [tuple(int(v) for v in t.split("x"))
+                  for t in os.environ.get("TUNE_PROFILE_SHAPES", "32x128,128x128").split(",")]
 # TUNE_ALIGNED=0,1: each attention config also (or only) with the padded path's 16-aligned sequence starts
 ATTN_ALIGNED = [a == "1" for a in os.environ.get("TUNE_ALIGNED", "0").split(",")]
 if os.environ.get("TUNE_ATTN_SHAPES"):  # e.g. 32x384,16x512
@@ -140,11 +143,18 @@ def profile_forwards(rows, deadline):
     model = build_model(BERT_BASE, "cuda", torch.float16)
     calib = [random_inputs(8, 128, BERT_BASE["vocab_size"], "cuda") for _ in range(2)]
     encoders = {f"mode{m}": Int8Encoder.from_hf(model, calib, mode=m, calibrator="max") for m in (1, 2)}
-    for batch, seq in ((32, 128), (128, 128)):
+    from quantfuse.encoder import pack_mask
+
+    for batch, seq in PROFILE_SHAPES:
         ids, mask = random_inputs(batch, seq, BERT_BASE["vocab_size"], "cuda")
         runs = {"hf_fp16": lambda: model(input_ids=ids, attention_mask=mask)}
         for key, e in encoders.items():
             runs[key] = (lambda e=e: e(ids, mask, remove_padding=False))
+        # mode 1 with padding removal on lengths in [seq/4, 3seq/4] (the packing metadata made outside)
+        lengths = torch.randint(seq // 4, 3 * seq // 4 + 1, (batch,))
+        vids, vmask = random_inputs(batch, seq, BERT_BASE["vocab_size"], "cuda", lengths=lengths)
+        vpk = pack_mask(vmask)
+        runs["mode1_packed_half"] = lambda: encoders["mode1"](vids, vmask, remove_padding=True, packed=vpk)
         for key, fn in runs.items():
             if time.perf_counter() > deadline:
                 return
@@ -168,7 +178,7 @@ def profile_forwards(rows, deadline):
                 total += us / 5
             kernels.sort(key=lambda r: -r[1])
             print(f"--- profile {key} {batch}x{seq}: {total:.0f} us of kernels per forward", flush=True)
-            for name, us, count in kernels[:12]:
+            for name, us, count in kernels[:16]:
                 print(f"  {us:9.1f} us  x{count:<4d} {name[:100]}")
                 rows.append(dict(part="profile", model=key, batch=batch, seq=seq, kernel=name[:160],
                                  us_per_forward=round(us, 1), calls_per_forward=count))

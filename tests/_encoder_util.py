@@ -132,3 +132,31 @@ def layernorm_case(m, n, device, write_fp16, with_int8=True):
 
         out = ke.layernorm_quant(y, gamma, beta, 1e-12, scale, write_fp16)
     return out, ref
+
+
+def embed_case(m, n, device, write_fp16, column=False, vocab=50, max_pos=40, types=2, bad=None):
+    """The embedding-gather LayerNorm (kernel) against the same kernel on the torch-gathered fp16 sum (must
+    be bit-identical: the gather changes where y comes from, not the math) and against the reference.
+    bad: a row given an out-of-range word id."""
+    word = (torch.randn(vocab, n, device=device) * 2).half()
+    pos = torch.randn(max_pos, n, device=device).half()
+    typ = (torch.randn(types, n, device=device) * 0.5).half()
+    ids = torch.randint(0, vocab, (m,), device=device)
+    tt = torch.randint(0, types, (m,), device=device, dtype=torch.int32)
+    positions = torch.randint(0, max_pos, (m,), device=device)
+    gamma = (torch.rand(n, device=device) + 0.5).float()
+    beta = (torch.randn(n, device=device) * 0.1).float()
+    scale = (enc._f32(4.0 / 127) * 2.0 ** torch.empty(n, device=device).uniform_(-1, 1)).float() if column \
+        else 4.0 / 127
+    ref = enc.reference_layernorm_quant(word, gamma, beta, 1e-12, scale, write_fp16,
+                                        embed=(ids, tt, positions, typ, pos))
+    if bad is not None:
+        ids[bad] = vocab
+    with ops.backend("triton"):
+        from quantfuse.kernels import encoder as ke
+
+        out = ke.layernorm_quant(word, gamma, beta, 1e-12, scale, write_fp16, embed=(ids, tt, positions, typ, pos))
+        ids_ok = ids.clamp(max=vocab - 1)
+        emb16 = (word[ids_ok].float() + pos[positions].float() + typ[tt.long()].float()).half()
+        plain = ke.layernorm_quant(emb16, gamma, beta, 1e-12, scale, write_fp16)
+    return out, plain, ref

@@ -323,6 +323,37 @@ def test_layernorm_quant_reciprocal_within_one_code(write_fp16, column):
         torch.testing.assert_close(o16.float(), r16.float(), rtol=1e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("m", [1, 37])
+@pytest.mark.parametrize("write_fp16", [True, False])
+@pytest.mark.parametrize("column", [True, False])
+def test_embedding_layernorm_quant(m, write_fp16, column):
+    """Word + position + type gathered and summed in the LayerNorm kernel: bit-identical to the kernel on the
+    torch-made fp16 sum, and the reference's codes within one."""
+    (o16, o8), (p16, p8), (r16, r8) = u.embed_case(m, 96, DEV, write_fp16, column=column)
+    assert torch.equal(o8, p8)
+    u.assert_int8_close(o8, r8)
+    if write_fp16:
+        assert torch.equal(o16, p16)
+        torch.testing.assert_close(o16.float(), r16.float(), rtol=1e-3, atol=2e-3)
+
+
+def test_embedding_out_of_range_id_gives_a_nan_row():
+    (o16, o8), (p16, _), _ = u.embed_case(9, 64, DEV, True, bad=4)
+    assert torch.isnan(o16[4]).all()
+    keep = torch.arange(9) != 4
+    assert torch.equal(o16[keep], p16[keep])
+
+
+def test_embedding_layernorm_bad_inputs():
+    word, typ, pos = torch.zeros(10, 64).half(), torch.zeros(2, 64).half(), torch.zeros(8, 64).half()
+    ids = torch.zeros(5, dtype=torch.int64)
+    g, b = torch.ones(64), torch.zeros(64)
+    with pytest.raises(ValueError, match="pos_table: expected a contiguous fp16"):
+        ke.layernorm_quant(word, g, b, 1e-12, 0.1, True, embed=(ids, ids, ids, typ, pos.float()))
+    with pytest.raises(ValueError, match="positions: expected a contiguous int32/int64 \\[5\\]"):
+        ke.layernorm_quant(word, g, b, 1e-12, 0.1, True, embed=(ids, ids, ids[:4], typ, pos))
+
+
 def test_layernorm_fp16_only():
     (o16, o8), (r16, r8) = u.layernorm_case(31, 64, DEV, True, with_int8=False)
     assert o8 is None and r8 is None

@@ -147,9 +147,14 @@ def reference_int8_attention(qk, vt, cu_seqlens, max_seqlen, key_mask, q_scale, 
     return out
 
 
-def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16):
+def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=None):
     """o = (y - mean) / sqrt(var + eps) * gamma + beta per row (float32); fp16 copy if asked; int8
-    sat(rne(o' / s_out)) with o' the fp16 copy when written, else o."""
+    sat(rne(o' / s_out)) with o' the fp16 copy when written, else o. embed = (input_ids, token_type_ids,
+    positions, type_table, pos_table): y is the word table and the rows fp16(word[ids] + pos[positions] +
+    type[types]), summed in float32 in that order."""
+    if embed is not None:
+        ids, types, positions, type_emb, pos_emb = embed
+        y = (y[ids].float() + pos_emb[positions].float() + type_emb[types].float()).to(torch.float16)
     yf = y.float()
     centered = yf - yf.mean(-1, keepdim=True)
     var = (centered * centered).mean(-1, keepdim=True)
@@ -492,17 +497,17 @@ class Int8Encoder(torch.nn.Module):
         return enc.to(device)
 
     # -- forward -----------------------------------------------------------------------------------
-    def _embed(self, input_ids, token_type_ids, positions):
-        emb = self.word_emb[input_ids].float() + self.pos_emb[positions].float() + self.token_type[token_type_ids].float()
-        return emb.to(torch.float16)
-
-    def _layers(self, emb16: Tensor, cu_seqlens: Tensor, max_seqlen: int, key_mask: Optional[Tensor],
-                aligned_starts: bool = False) -> Tensor:
-        ops = _ops_for(emb16)
+    def _layers(self, input_ids: Tensor, token_type_ids: Tensor, positions: Tensor, cu_seqlens: Tensor,
+                max_seqlen: int, key_mask: Optional[Tensor], aligned_starts: bool = False) -> Tensor:
+        """Tokens [T] (ids, token types, positions) -> the last layer's hidden states [T, H] fp16."""
+        ops = _ops_for(self.word_emb)
         mode1 = self.mode == 1
         s_in = self.scales["in"]
-        x16, xq = ops.layernorm_quant(emb16, self.emb_ln_w, self.emb_ln_b, self.eps, self.l0_in_cs, mode1)
-        t = emb16.shape[0]
+        # the embedding sum, its LayerNorm and the first quantization in one kernel
+        x16, xq = ops.layernorm_quant(self.word_emb, self.emb_ln_w, self.emb_ln_b, self.eps, self.l0_in_cs, mode1,
+                                      embed=(input_ids.contiguous(), token_type_ids.contiguous(),
+                                             positions.contiguous(), self.token_type, self.pos_emb))
+        t = input_ids.numel()
         for i in range(self.num_layers):
             g = lambda name: getattr(self, f"l{i}_{name}")  # noqa: E731
             sc = {k: self.scales[k][i] for k in _ACTS_PER_LAYER}
@@ -533,8 +538,7 @@ class Int8Encoder(torch.nn.Module):
                        max_seqlen: int) -> Tensor:
         """Packed tokens [T] (ids, token types, positions within their sequence) -> hidden states [T, H] fp16.
         No host synchronisation: capturable in a CUDA graph."""
-        emb16 = self._embed(input_ids, token_type_ids, positions)
-        return self._layers(emb16, cu_seqlens, max_seqlen, None)
+        return self._layers(input_ids, token_type_ids, positions, cu_seqlens, max_seqlen, None)
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
@@ -562,6 +566,6 @@ class Int8Encoder(torch.nn.Module):
             return out.view(b, s, self.hidden)
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=input_ids.device)
         key_mask = (attention_mask.reshape(-1) != 0).to(torch.int8)
-        emb16 = self._embed(input_ids.reshape(-1), token_type_ids.reshape(-1), positions.reshape(-1))
         # cu holds multiples of s: the attention may assume 16-aligned sequence starts when s is a multiple of 16
-        return self._layers(emb16, cu, s, key_mask, aligned_starts=s % 16 == 0).view(b, s, self.hidden)
+        return self._layers(input_ids.reshape(-1), token_type_ids.reshape(-1), positions.reshape(-1), cu, s, key_mask,
+                            aligned_starts=s % 16 == 0).view(b, s, self.hidden)

@@ -73,6 +73,18 @@ def test_attention_padded_equals_packed_and_masked_rows(path, aligned, lengths):
     assert int(out_p[b * s:(b + 1) * s].abs().max()) == 0  # fully masked sequence: p = 0, ctx = 0
 
 
+@pytest.mark.parametrize("m,n", [(1, 768), (4099, 768), (77, 384)])
+@pytest.mark.parametrize("write_fp16", [True, False])
+def test_embedding_layernorm_full_size(m, n, write_fp16):
+    (o16, o8), (p16, p8), (r16, r8) = u.embed_case(m, n, DEV, write_fp16, vocab=30522, max_pos=512)
+    assert torch.equal(o8, p8)
+    u.assert_int8_close(o8, r8)
+    if write_fp16:
+        assert torch.equal(o16, p16)
+    (b16, _), (q16, _), _ = u.embed_case(m, n, DEV, True, bad=m // 2)
+    assert torch.isnan(b16[m // 2]).all()
+
+
 @pytest.mark.parametrize("m,n", [(1, 768), (4099, 768), (513, 1024), (77, 384)])
 @pytest.mark.parametrize("write_fp16", [True, False])
 def test_layernorm_full_size(m, n, write_fp16):

@@ -533,18 +533,38 @@ def int8_attention(
 # LayerNorm (+ requant)
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
+def _gathered_row(table_ptr, index_ptr, rows, row_ok, cols, mask, N, num_rows):
+    """fp16 rows table[index[rows]] as float32; an index outside [0, num_rows) reads nothing and gives a NaN
+    row (the LayerNorm then makes the token's whole hidden state NaN: loud, where torch's gather would
+    assert on the device)."""
+    idx = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    ok = (idx >= 0) & (idx < num_rows)
+    v = tl.load(table_ptr + tl.where(ok, idx, 0)[:, None] * N + cols[None, :], mask=mask & ok[:, None], other=0.0)
+    return tl.where(ok[:, None], v.to(tl.float32), float("nan"))
+
+
+@triton.jit
 def _layernorm_quant_kernel(
     y_ptr, gamma_ptr, beta_ptr, out16_ptr, out8_ptr,
     M, N, stride_y, out_scale, out_scale_vec_ptr, eps,
-    WRITE_FP16: tl.constexpr, WRITE_INT8: tl.constexpr, COLUMN_SCALE: tl.constexpr,
+    ids_ptr, types_ptr, positions_ptr, type_emb_ptr, pos_emb_ptr, n_word, n_type, n_pos,
+    EMBED: tl.constexpr, WRITE_FP16: tl.constexpr, WRITE_INT8: tl.constexpr, COLUMN_SCALE: tl.constexpr,
     RECIPROCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    """EMBED: y is the fp16 rounding of word[ids] + pos[positions] + type[types] summed in float32 (y_ptr the
+    word table), the embedding sum gathered here instead of in three torch gathers, adds and casts."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
     mask = row_ok[:, None] & col_ok[None, :]
-    y = tl.load(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if EMBED:
+        y = _gathered_row(y_ptr, ids_ptr, rows, row_ok, cols, mask, N, n_word) \
+            + _gathered_row(pos_emb_ptr, positions_ptr, rows, row_ok, cols, mask, N, n_pos)
+        y = y + _gathered_row(type_emb_ptr, types_ptr, rows, row_ok, cols, mask, N, n_type)
+        y = tl.where(mask, y.to(tl.float16).to(tl.float32), 0.0)
+    else:
+        y = tl.load(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(y, 1) / N
     centered = tl.where(mask, y - mean[:, None], 0.0)
     var = tl.sum(centered * centered, 1) / N
@@ -567,11 +587,28 @@ def _layernorm_quant_kernel(
 
 
 def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
-                    out_scale: float | torch.Tensor | None, write_fp16: bool, config: tuple | None = None):
+                    out_scale: float | torch.Tensor | None, write_fp16: bool, config: tuple | None = None,
+                    embed: tuple | None = None):
     """Row LayerNorm of fp16 y [M, N]; returns (fp16 or None, int8 or None). out_scale: a float (per
     tensor), float32 [N] (per column: a smoothing factor folded into the consumer's weight), or None.
-    config (rows per program, num_warps, reciprocal) overrides the table (for benchmarks/tune_encoder.py)."""
-    m, n = y.shape
+    config (rows per program, num_warps, reciprocal) overrides the table (for benchmarks/tune_encoder.py).
+    embed = (input_ids, token_type_ids, positions, type_table, pos_table), int64 [M] each and fp16 [*, N]
+    tables: y is then the fp16 word table and the rows normalised are fp16(word[ids] + pos[positions] +
+    type[types]) (float32 sums), gathered in the kernel; a token whose index is out of its table's range gets a
+    NaN row."""
+    if embed is not None:
+        ids, types, positions, type_emb, pos_emb = embed
+        m, n = ids.numel(), y.shape[1]
+        for name, t in (("y", y), ("type_table", type_emb), ("pos_table", pos_emb)):
+            if t.dtype != torch.float16 or t.dim() != 2 or t.shape[1] != n or not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous fp16 [*, {n}] embedding table, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+        for name, t in (("input_ids", ids), ("token_type_ids", types), ("positions", positions)):
+            if t.dim() != 1 or t.numel() != m or t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous int32/int64 [{m}] tensor, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+    else:
+        m, n = y.shape
     column = isinstance(out_scale, torch.Tensor)
     if column and (out_scale.dtype != torch.float32 or out_scale.numel() != n or not out_scale.is_contiguous()):
         raise ValueError(f"out_scale: expected a float or a contiguous float32 tensor of N={n} elements, got "
@@ -581,6 +618,7 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     rows = max(1, min(16, table["layernorm_rows_budget"] // block_n))
     out16 = torch.empty((m, n), dtype=torch.float16, device=y.device) if write_fp16 else None
     out8 = torch.empty((m, n), dtype=torch.int8, device=y.device) if out_scale is not None else None
+    ids, types, positions, type_emb, pos_emb = embed if embed is not None else (gamma,) * 5
     warps = max(1, min(8, rows * block_n // table["layernorm_elements_per_warp"]))
     reciprocal = table["layernorm_reciprocal"]
     if config is not None:
@@ -588,8 +626,9 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     _layernorm_quant_kernel[(triton.cdiv(m, rows),)](
         y, gamma, beta, out16 if out16 is not None else y, out8 if out8 is not None else y,
         m, n, y.stride(0), 1.0 if column or out_scale is None else float(out_scale),
-        out_scale if column else gamma, float(eps),
-        WRITE_FP16=write_fp16, WRITE_INT8=out_scale is not None, COLUMN_SCALE=column,
+        out_scale if column else gamma, float(eps), ids, types, positions, type_emb, pos_emb,
+        y.shape[0], type_emb.shape[0], pos_emb.shape[0],
+        EMBED=embed is not None, WRITE_FP16=write_fp16, WRITE_INT8=out_scale is not None, COLUMN_SCALE=column,
         RECIPROCAL=bool(reciprocal), ROWS=rows, BLOCK_N=block_n, INTERPRET=INTERPRET, num_warps=warps,
     )
     return out16, out8
