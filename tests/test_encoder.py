@@ -76,7 +76,7 @@ def test_gemm_qkv_store_paths(heads, head_dim, block_n):
 def _gelu_probe(x_ptr, out_ptr, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
-    tl.store(out_ptr + offs, ke._gelu(x, FAST, ke.INTERPRET), mask=offs < n)
+    tl.store(out_ptr + offs, ke._gelu(x, FAST, ke.INTERPRET, 0.5), mask=offs < n)
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -335,6 +335,22 @@ def test_embedding_layernorm_quant(m, write_fp16, column):
     if write_fp16:
         assert torch.equal(o16, p16)
         torch.testing.assert_close(o16.float(), r16.float(), rtol=1e-3, atol=2e-3)
+
+
+def test_layernorm_dequant_fp16_output():
+    """Mode 2's last LayerNorm writes its int8 codes dequantized as the fp16 output: fp16(q * s) exactly."""
+    m, n = 37, 96
+    y = (torch.randn(m, n) * 4 + torch.randn(n)).half()
+    gamma, beta = (torch.rand(n) + 0.5).float(), (torch.randn(n) * 0.1).float()
+    s = enc._f32(4.0 / 127)
+    with ops.backend("triton"):
+        o16, o8 = ke.layernorm_quant(y, gamma, beta, 1e-12, s, False, dequant_fp16=True)
+        with pytest.raises(ValueError, match="dequant_fp16: needs a per-tensor float out_scale"):
+            ke.layernorm_quant(y, gamma, beta, 1e-12, s, True, dequant_fp16=True)
+    r16, r8 = enc.reference_layernorm_quant(y, gamma, beta, 1e-12, s, False, dequant_fp16=True)
+    assert torch.equal(o16, (o8.float() * s).half())
+    u.assert_int8_close(o8, r8)
+    assert torch.equal(r16, (r8.float() * s).half())
 
 
 def test_embedding_out_of_range_id_gives_a_nan_row():

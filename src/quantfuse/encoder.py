@@ -147,11 +147,11 @@ def reference_int8_attention(qk, vt, cu_seqlens, max_seqlen, key_mask, q_scale, 
     return out
 
 
-def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=None):
+def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=None, dequant_fp16=False):
     """o = (y - mean) / sqrt(var + eps) * gamma + beta per row (float32); fp16 copy if asked; int8
     sat(rne(o' / s_out)) with o' the fp16 copy when written, else o. embed = (input_ids, token_type_ids,
     positions, type_table, pos_table): y is the word table and the rows fp16(word[ids] + pos[positions] +
-    type[types]), summed in float32 in that order."""
+    type[types]), summed in float32 in that order. dequant_fp16: the fp16 output is fp16(float(q) * s_out)."""
     if embed is not None:
         ids, types, positions, type_emb, pos_emb = embed
         y = (y[ids].float() + pos_emb[positions].float() + type_emb[types].float()).to(torch.float16)
@@ -169,6 +169,8 @@ def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=
         out8 = _quant(o, out_scale.float())
     else:
         out8 = _quant(o, _f32(out_scale))
+    if dequant_fp16:
+        out16 = (out8.float() * _f32(out_scale)).to(torch.float16)
     return out16, out8
 
 
@@ -528,11 +530,10 @@ class Int8Encoder(torch.nn.Module):
                 next_scale = None if mode1 else s_in[i + 1]
             else:
                 next_scale = getattr(self, f"l{i + 1}_in_cs")
-            x16, xq = ops.layernorm_quant(y2, g("ln2_w"), g("ln2_b"), self.eps, next_scale, mode1)
-        if mode1:
-            return x16
-        # a Python float multiplier: no host-to-device copy, so the whole forward is graph-capturable
-        return (xq.float() * s_in[-1]).to(torch.float16)
+            # mode 2's output is its last int8 activation dequantized, written by the same kernel
+            x16, xq = ops.layernorm_quant(y2, g("ln2_w"), g("ln2_b"), self.eps, next_scale, mode1,
+                                          dequant_fp16=last and not mode1)
+        return x16
 
     def forward_packed(self, input_ids: Tensor, token_type_ids: Tensor, positions: Tensor, cu_seqlens: Tensor,
                        max_seqlen: int) -> Tensor:

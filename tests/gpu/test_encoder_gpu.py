@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _encoder_util as u  # noqa: E402
 from quantfuse import ops  # noqa: E402
+from quantfuse import encoder as enc  # noqa: E402
 from quantfuse.encoder import Int8Encoder  # noqa: E402
 from quantfuse.kernels import encoder as ke  # noqa: E402
 
@@ -83,6 +84,16 @@ def test_embedding_layernorm_full_size(m, n, write_fp16):
         assert torch.equal(o16, p16)
     (b16, _), (q16, _), _ = u.embed_case(m, n, DEV, True, bad=m // 2)
     assert torch.isnan(b16[m // 2]).all()
+
+
+def test_layernorm_dequant_fp16_full_size():
+    y = (torch.randn(4099, 768, device=DEV) * 4).half()
+    gamma, beta = torch.rand(768, device=DEV) + 0.5, torch.randn(768, device=DEV) * 0.1
+    s = enc._f32(4.0 / 127)
+    o16, o8 = ke.layernorm_quant(y, gamma, beta, 1e-12, s, False, dequant_fp16=True)
+    r16, r8 = enc.reference_layernorm_quant(y, gamma, beta, 1e-12, s, False, dequant_fp16=True)
+    assert torch.equal(o16, (o8.float() * s).half())
+    u.assert_int8_close(o8, r8)
 
 
 @pytest.mark.parametrize("m,n", [(1, 768), (4099, 768), (513, 1024), (77, 384)])

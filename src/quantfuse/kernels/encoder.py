@@ -137,22 +137,23 @@ def _requant(v, scale, RECIPROCAL: tl.constexpr):
 
 
 @triton.jit
-def _gelu(v, FAST: tl.constexpr, INTERPRET: tl.constexpr):
-    """erf-GELU 0.5 * v * (1 + erf(v / sqrt(2))). FAST: 1 + erf(z) from Abramowitz & Stegun 7.1.26,
-    erfc(|z|) ~ t * poly5(t) * exp(-z^2) with t = 1 / (1 + p|z|) (|error| <= 1.5e-7), taken as is for z < 0
-    (no cancellation in 1 + erf) and as 2 - erfc for z >= 0: branch-free, where libdevice's erff branches per
-    element on |z| (258 branches in the sm90 PTX of a 128x128 tile), so warps holding BERT's mixed
-    magnitudes run both sides. Same-run A/B on the H100 (encoder mode 1, CUDA graphs): 6264 vs 6724 us at
-    16384 tokens; on full-range codes (|v| ~ 30, one side only) the two are within 4%."""
+def _gelu(v, FAST: tl.constexpr, INTERPRET: tl.constexpr, half):
+    """erf-GELU times 2 * half: (v * half) * (1 + erf(v / sqrt(2))); half = 0.5 gives GELU itself, the
+    requantizing epilogue passes 0.5 / s_out to fold its multiply by 1 / s_out into GELU's own.
+    FAST: 1 + erf(z) from Abramowitz & Stegun 7.1.26, erfc(|z|) ~ t * poly5(t) * exp(-z^2) with
+    t = 1 / (1 + p|z|) (|error| <= 1.5e-7), taken as is for z < 0 (no cancellation in 1 + erf) and as
+    2 - erfc for z >= 0: branch-free, where libdevice's erff branches per element on |z| (258 branches in the
+    sm90 PTX of a 128x128 tile), so warps holding BERT's mixed magnitudes run both sides. z = v / sqrt(2)
+    is folded into the constants (p / sqrt(2), -log2(e) / 2), and t and the exponential are the single
+    MUFU ops (rcp / ex2.approx.ftz): one FFMA + RCP, five FFMA for the polynomial, three multiplies and an
+    EX2, a select and the scaling multiply per element."""
     if FAST:
-        z = v * 0.7071067811865476
-        az = tl.abs(z)
-        t = rcp_approx(1.0 + 0.3275911 * az, INTERPRET)
+        t = rcp_approx(1.0 + 0.23164188826636045 * tl.abs(v), INTERPRET)
         poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-        erfc = poly * exp2_approx(-(az * az) * 1.4426950408889634, INTERPRET)
-        return 0.5 * v * tl.where(z < 0.0, erfc, 2.0 - erfc)
+        erfc = poly * exp2_approx(v * (v * -0.7213475204444817), INTERPRET)
+        return (v * half) * tl.where(v < 0.0, erfc, 2.0 - erfc)
     else:
-        return 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
+        return (v * half) * (1.0 + tl.math.erf(v * 0.7071067811865476))
 
 
 @triton.jit
@@ -216,13 +217,17 @@ def _int8_gemm_kernel(
                 v = v + r.to(tl.float32) * res_scale
         tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
     elif EPILOGUE == 1:
-        if GELU:
-            v = _gelu(v, FAST_GELU, INTERPRET)
         if COLUMN_OUT_SCALE:
             out_scale = tl.load(out_scale_ptr + rn, mask=n_ok, other=1.0)[None, :]
         else:
             out_scale = tl.load(out_scale_ptr)
-        q = to_int8_sat(_requant(v, out_scale, RECIPROCAL))
+        if GELU and FAST_GELU and RECIPROCAL:
+            # GELU's 0.5 and the requantization's 1 / s_out in one multiply (per column: computed once)
+            q = to_int8_sat(_gelu(v, True, INTERPRET, 0.5 * (1.0 / out_scale)))
+        else:
+            if GELU:
+                v = _gelu(v, FAST_GELU, INTERPRET, 0.5)
+            q = to_int8_sat(_requant(v, out_scale, RECIPROCAL))
         tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], q, mask=mask)
     else:
         out_scale = tl.load(out_scale_ptr + rn, mask=n_ok, other=1.0)
@@ -548,7 +553,8 @@ def _layernorm_quant_kernel(
     y_ptr, gamma_ptr, beta_ptr, out16_ptr, out8_ptr,
     M, N, stride_y, out_scale, out_scale_vec_ptr, eps,
     ids_ptr, types_ptr, positions_ptr, type_emb_ptr, pos_emb_ptr, n_word, n_type, n_pos,
-    EMBED: tl.constexpr, WRITE_FP16: tl.constexpr, WRITE_INT8: tl.constexpr, COLUMN_SCALE: tl.constexpr,
+    EMBED: tl.constexpr, WRITE_FP16: tl.constexpr, WRITE_INT8: tl.constexpr, DEQUANT_FP16: tl.constexpr,
+    COLUMN_SCALE: tl.constexpr,
     RECIPROCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """EMBED: y is the fp16 rounding of word[ids] + pos[positions] + type[types] summed in float32 (y_ptr the
@@ -584,18 +590,23 @@ def _layernorm_quant_kernel(
         else:
             q = to_int8_sat(_requant(o, out_scale, RECIPROCAL))
         tl.store(out8_ptr + offs, q, mask=mask)
+        if DEQUANT_FP16:
+            tl.store(out16_ptr + offs, (q.to(tl.float32) * out_scale).to(tl.float16), mask=mask)
 
 
 def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
                     out_scale: float | torch.Tensor | None, write_fp16: bool, config: tuple | None = None,
-                    embed: tuple | None = None):
+                    embed: tuple | None = None, dequant_fp16: bool = False):
     """Row LayerNorm of fp16 y [M, N]; returns (fp16 or None, int8 or None). out_scale: a float (per
     tensor), float32 [N] (per column: a smoothing factor folded into the consumer's weight), or None.
     config (rows per program, num_warps, reciprocal) overrides the table (for benchmarks/tune_encoder.py).
     embed = (input_ids, token_type_ids, positions, type_table, pos_table), int64 [M] each and fp16 [*, N]
     tables: y is then the fp16 word table and the rows normalised are fp16(word[ids] + pos[positions] +
     type[types]) (float32 sums), gathered in the kernel; a token whose index is out of its table's range gets a
-    NaN row."""
+    NaN row. dequant_fp16 (per-tensor out_scale, write_fp16 False): the fp16 output is fp16(q * s_out), the
+    int8 result dequantized (mode 2's encoder output) instead of the LayerNorm itself."""
+    if dequant_fp16 and (write_fp16 or out_scale is None or isinstance(out_scale, torch.Tensor)):
+        raise ValueError("dequant_fp16: needs a per-tensor float out_scale and write_fp16=False")
     if embed is not None:
         ids, types, positions, type_emb, pos_emb = embed
         m, n = ids.numel(), y.shape[1]
@@ -616,7 +627,7 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     block_n = triton.next_power_of_2(n)
     table = _table(y.device)
     rows = max(1, min(16, table["layernorm_rows_budget"] // block_n))
-    out16 = torch.empty((m, n), dtype=torch.float16, device=y.device) if write_fp16 else None
+    out16 = torch.empty((m, n), dtype=torch.float16, device=y.device) if write_fp16 or dequant_fp16 else None
     out8 = torch.empty((m, n), dtype=torch.int8, device=y.device) if out_scale is not None else None
     ids, types, positions, type_emb, pos_emb = embed if embed is not None else (gamma,) * 5
     warps = max(1, min(8, rows * block_n // table["layernorm_elements_per_warp"]))
@@ -628,7 +639,8 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
         m, n, y.stride(0), 1.0 if column or out_scale is None else float(out_scale),
         out_scale if column else gamma, float(eps), ids, types, positions, type_emb, pos_emb,
         y.shape[0], type_emb.shape[0], pos_emb.shape[0],
-        EMBED=embed is not None, WRITE_FP16=write_fp16, WRITE_INT8=out_scale is not None, COLUMN_SCALE=column,
+        EMBED=embed is not None, WRITE_FP16=write_fp16, WRITE_INT8=out_scale is not None,
+        DEQUANT_FP16=bool(dequant_fp16), COLUMN_SCALE=column,
         RECIPROCAL=bool(reciprocal), ROWS=rows, BLOCK_N=block_n, INTERPRET=INTERPRET, num_warps=warps,
     )
     return out16, out8
