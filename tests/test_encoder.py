@@ -76,7 +76,7 @@ def test_gemm_qkv_store_paths(heads, head_dim, block_n):
 def _gelu_probe(x_ptr, out_ptr, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
-    tl.store(out_ptr + offs, ke._gelu(x, FAST, ke.INTERPRET, 0.5), mask=offs < n)
+    tl.store(out_ptr + offs, ke._gelu(x, FAST, ke.INTERPRET), mask=offs < n)
 
 
 @pytest.mark.parametrize("fast", [True, False])

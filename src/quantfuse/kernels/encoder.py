@@ -137,23 +137,22 @@ def _requant(v, scale, RECIPROCAL: tl.constexpr):
 
 
 @triton.jit
-def _gelu(v, FAST: tl.constexpr, INTERPRET: tl.constexpr, half):
-    """erf-GELU times 2 * half: (v * half) * (1 + erf(v / sqrt(2))); half = 0.5 gives GELU itself, the
-    requantizing epilogue passes 0.5 / s_out to fold its multiply by 1 / s_out into GELU's own.
-    FAST: 1 + erf(z) from Abramowitz & Stegun 7.1.26, erfc(|z|) ~ t * poly5(t) * exp(-z^2) with
-    t = 1 / (1 + p|z|) (|error| <= 1.5e-7), taken as is for z < 0 (no cancellation in 1 + erf) and as
-    2 - erfc for z >= 0: branch-free, where libdevice's erff branches per element on |z| (258 branches in the
-    sm90 PTX of a 128x128 tile), so warps holding BERT's mixed magnitudes run both sides. z = v / sqrt(2)
-    is folded into the constants (p / sqrt(2), -log2(e) / 2), and t and the exponential are the single
-    MUFU ops (rcp / ex2.approx.ftz): one FFMA + RCP, five FFMA for the polynomial, three multiplies and an
-    EX2, a select and the scaling multiply per element."""
+def _gelu(v, FAST: tl.constexpr, INTERPRET: tl.constexpr):
+    """erf-GELU 0.5 * v * (1 + erf(v / sqrt(2))). FAST: 1 + erf(z) from Abramowitz & Stegun 7.1.26,
+    erfc(|z|) ~ t * poly5(t) * exp(-z^2) with t = 1 / (1 + p|z|) (|error| <= 1.5e-7), taken as is for z < 0
+    (no cancellation in 1 + erf) and as 2 - erfc for z >= 0: branch-free, where libdevice's erff branches per
+    element on |z| (258 branches in the sm90 PTX of a 128x128 tile), so warps holding BERT's mixed
+    magnitudes run both sides. Same-run A/B on the H100 (encoder mode 1, CUDA graphs): 6264 vs 6724 us at
+    16384 tokens; on full-range codes (|v| ~ 30, one side only) the two are within 4%."""
     if FAST:
-        t = rcp_approx(1.0 + 0.23164188826636045 * tl.abs(v), INTERPRET)
+        z = v * 0.7071067811865476
+        az = tl.abs(z)
+        t = rcp_approx(1.0 + 0.3275911 * az, INTERPRET)
         poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-        erfc = poly * exp2_approx(v * (v * -0.7213475204444817), INTERPRET)
-        return (v * half) * tl.where(v < 0.0, erfc, 2.0 - erfc)
+        erfc = poly * exp2_approx(-(az * az) * 1.4426950408889634, INTERPRET)
+        return 0.5 * v * tl.where(z < 0.0, erfc, 2.0 - erfc)
     else:
-        return (v * half) * (1.0 + tl.math.erf(v * 0.7071067811865476))
+        return 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
 
 
 @triton.jit
@@ -217,17 +216,13 @@ def _int8_gemm_kernel(
                 v = v + r.to(tl.float32) * res_scale
         tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
     elif EPILOGUE == 1:
+        if GELU:
+            v = _gelu(v, FAST_GELU, INTERPRET)
         if COLUMN_OUT_SCALE:
             out_scale = tl.load(out_scale_ptr + rn, mask=n_ok, other=1.0)[None, :]
         else:
             out_scale = tl.load(out_scale_ptr)
-        if GELU and FAST_GELU and RECIPROCAL:
-            # GELU's 0.5 and the requantization's 1 / s_out in one multiply (per column: computed once)
-            q = to_int8_sat(_gelu(v, True, INTERPRET, 0.5 * (1.0 / out_scale)))
-        else:
-            if GELU:
-                v = _gelu(v, FAST_GELU, INTERPRET, 0.5)
-            q = to_int8_sat(_requant(v, out_scale, RECIPROCAL))
+        q = to_int8_sat(_requant(v, out_scale, RECIPROCAL))
         tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], q, mask=mask)
     else:
         out_scale = tl.load(out_scale_ptr + rn, mask=n_ok, other=1.0)
