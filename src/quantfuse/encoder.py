@@ -5,6 +5,10 @@ the pipeline quantizes (per tensor, from an fp32 pass over the calibration batch
 weight per output channel (`s_w[n] = max(amax_n, 1e-10) / 127`) and returns a module whose
 `forward(input_ids, attention_mask)` returns the last hidden states [B, S, hidden] in fp16.
 
+Before the first layer one LayerNorm kernel gathers word + position + type embeddings, sums them
+(float32, rounded to fp16 as HF's fp16 model does), normalises and quantizes; in mode 2 the last layer's
+LayerNorm also writes the encoder output as its int8 codes dequantized, fp16(q * s).
+
 One layer, with `x ~ s_in * x_q` its input (fp16 copy `x` too in mode 1):
 
     qk, v^T  = qkv_gemm(x_q)                 # dequant + bias + head split + requant (s_q, s_k, s_v)
@@ -32,7 +36,9 @@ held-out split (calibrate on half the sentences, score the other half) gives the
 Padding removal packs the valid tokens of a batch into one [T, hidden] matrix before the first layer
 (attention walks each sequence through `cu_seqlens`) and scatters them back after the last; padded
 positions of the result are 0. The padded path (remove_padding=False) runs every position and masks
-padded keys; on valid tokens both paths are identical, bit for bit.
+padded keys; on valid tokens both paths are identical, bit for bit. Its sequences start on multiples of
+the padded length, so when that is a multiple of 16 the attention kernel is told (`aligned_starts`) and
+loads V^T in aligned 16-byte copies; packed sequences start anywhere.
 
 On CUDA tensors (or under `backend("triton")` with the interpreter) the kernels of
 `quantfuse.kernels.encoder` run; otherwise the same pipeline runs as a fake-quant PyTorch reference
