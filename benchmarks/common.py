@@ -154,3 +154,51 @@ def print_table(rows: List[Dict[str, object]], columns: Optional[List[str]] = No
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for r in rows:
         print("  ".join(fmt(r.get(c, "")).rjust(w) for c, w in zip(columns, widths)))
+
+
+# the weight-only kernels' arguments their launcher sees as multiples of 16 (pointers, sizes, strides)
+WEIGHT_ONLY_DIVISIBLE = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "count_ptr", "N",
+                         "K", "num_groups", "group_size", "stride_xm", "stride_wn", "stride_om")
+
+
+def compile_sm90(fn, constexprs: Dict[str, object], types: Dict[str, str], num_warps: int, num_stages: int,
+                 divisible: Optional[Sequence[str]] = None):
+    """Compile a @triton.jit kernel for sm90 without a GPU (Triton's bundled ptxas; Triton internals:
+    ASTSource, GPUTarget) and return the compiled kernel (.asm["ptx" | "cubin"], .metadata).
+
+    constexprs: values by argument name (names the kernel lacks are ignored); types: Triton types of the
+    other arguments ("*bf16", "fp32", ...), "i32" where not named; divisible: the arguments specialized as
+    multiples of 16, as the launcher would see them (default: every pointer and i32 argument)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    consts = {a: v for a, v in constexprs.items() if a in names}
+    sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in names}
+    if divisible is None:
+        divisible = [a for a in names if sig[a] == "i32" or sig[a].startswith("*")]
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible if a in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def cubin_resources(cubin: bytes) -> Dict[str, int]:
+    """REG (registers per thread), STACK, LOCAL (spills) and SHARED bytes of a compiled kernel's cubin, from
+    Triton's bundled `cuobjdump --dump-resource-usage` ({} if it cannot run)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            text = subprocess.check_output([tool, "--dump-resource-usage", f.name], text=True)
+        except Exception:  # noqa: BLE001
+            return {}
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", text)}

@@ -6,27 +6,33 @@ benchmark results carry over.
 
     PYTHONPATH=src python benchmarks/ptx_fingerprint.py before.json   # about 6 minutes on two cores
 """
-import hashlib, re, sys, json, itertools
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from quantfuse.kernels import weight_only as kw
+import hashlib
+import itertools
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import WEIGHT_ONLY_DIVISIBLE, compile_sm90  # noqa: E402
+
+from quantfuse.kernels import weight_only as kw  # noqa: E402
+
 
 def compile_one(fn, consts, dtypes, num_warps=4, num_stages=3):
-    ptr = {"x_ptr": "*" + dtypes["x"], "w_ptr": "*i32", "s_ptr": "*" + dtypes["s"], "z_ptr": "*i32" if consts.get("HAS_ZERO") else "*" + dtypes["s"],
-           "bias_ptr": "*" + dtypes["x"], "out_ptr": "*" + dtypes["x"], "part_ptr": "*fp32", "count_ptr": "*i32"}
-    div16 = set(ptr) | {"N", "K", "num_groups", "group_size", "stride_xm", "stride_wn", "stride_om"}
-    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
-    sig = {a: ("constexpr" if a in consts else ptr.get(a, "i32")) for a in fn.arg_names}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16 if a in fn.arg_names}
-    ck = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=num_warps, num_stages=num_stages))
+    types = {"x_ptr": "*" + dtypes["x"], "w_ptr": "*i32", "s_ptr": "*" + dtypes["s"],
+             "z_ptr": "*i32" if consts.get("HAS_ZERO") else "*" + dtypes["s"], "bias_ptr": "*" + dtypes["x"],
+             "out_ptr": "*" + dtypes["x"], "part_ptr": "*fp32", "count_ptr": "*i32"}
+    ck = compile_sm90(fn, consts, types, num_warps, num_stages, divisible=WEIGHT_ONLY_DIVISIBLE)
     ptx = ck.asm["ptx"].split(".section\t.debug")[0]
-    ptx = "\n".join(re.sub(r"//.*", "", l) for l in ptx.splitlines() if not re.match(r"\s*(\.loc|\.file|\$L__tmp\d+:)", l))
+    ptx = "\n".join(re.sub(r"//.*", "", line) for line in ptx.splitlines()
+                    if not re.match(r"\s*(\.loc|\.file|\$L__tmp\d+:)", line))
     return hashlib.sha1(ptx.encode()).hexdigest()[:16]
 
+
 out = {}
-for bits, gf, zero, scale, conv, bn, x, s in itertools.product((4, 8), (2, 8), (False, True), (0, 1, 2), (0, 1, 2), (16, 128), ("bf16", "fp16"), ("fp32", "bf16")):
+for bits, gf, zero, scale, conv, bn, x, s in itertools.product((4, 8), (2, 8), (False, True), (0, 1, 2), (0, 1, 2),
+                                                              (16, 128), ("bf16", "fp16"), ("fp32", "bf16")):
     if bits == 8 and gf == 8: gf = 4
     c = dict(BITS=bits, GROUP_FIELDS=gf, HAS_ZERO=zero, HAS_BIAS=True, SPLIT=True, FUSED_REDUCE=True, BLOCK_M=16,
              BLOCK_N=bn, CHUNKS=1, CONVERT=conv, SCALE=scale, INTERPRET=False)
@@ -34,7 +40,8 @@ for bits, gf, zero, scale, conv, bn, x, s in itertools.product((4, 8), (2, 8), (
     if conv == 2 and scale == 0 and s != x: continue
     key = f"mma b{bits} gf{gf} z{int(zero)} S{scale} C{conv} n{bn} {x} {s}"
     out[key] = compile_one(kw._wo_mm_kernel, c, dict(x=x, s=s))
-for bits, gf, zero, scale, conv, bm, ch in itertools.product((4, 8), (2, 8), (False, True), (0, 1, 2), (0, 1), (1, 3), (1, 2)):
+for bits, gf, zero, scale, conv, bm, ch in itertools.product((4, 8), (2, 8), (False, True), (0, 1, 2), (0, 1),
+                                                              (1, 3), (1, 2)):
     if bits == 8 and gf == 8: gf = 4
     c = dict(BITS=bits, GROUP_FIELDS=gf, HAS_ZERO=zero, HAS_BIAS=True, SPLIT=True, FUSED_REDUCE=True, BLOCK_M=bm,
              BLOCK_M_P2=4 if bm == 3 else 1, BLOCK_N=64, CHUNKS=ch, CONVERT=conv, SCALE=scale, INTERPRET=False)

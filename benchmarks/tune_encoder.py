@@ -242,8 +242,8 @@ def tune_gemms(rows, deadline, dry):
                 cands = [r for r in rows if r.get("part") == "gemm" and r["gemm"] == name and r["M"] == m]
                 if cands:
                     b = min(cands, key=lambda r: r["us"])
-                    print(f"  {name:4s} M={m:6d}: {b['tile']} recip={b['reciprocal']} fast={b['fast_gelu']} {b['us']} us {b['tops']} TOPS "
-                          f"(fp16 {b['fp16_us']} us, int_mm {b['int_mm_us']} us)")
+                    print(f"  {name:4s} M={m:6d}: {b['tile']} recip={b['reciprocal']} fast={b['fast_gelu']} "
+                          f"{b['us']} us {b['tops']} TOPS (fp16 {b['fp16_us']} us, int_mm {b['int_mm_us']} us)")
 
 
 def tune_attention(rows, deadline, dry):
@@ -344,19 +344,9 @@ def tune_layernorm(rows_out, deadline, dry):
 def compile_report(tiles=GEMM_TILES):
     """Compile the encoder GEMM for sm90 without a GPU (Triton's bundled ptxas) for each tile x epilogue and
     print registers, local-memory spill stack and shared memory from the cubin (Triton internals)."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    from common import compile_sm90, cubin_resources
     from quantfuse.kernels import encoder as ke
 
-    fn = ke._int8_gemm_kernel
-    names = fn.arg_names
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for tile in tiles:
         bm, bn, bk, warps, stages = tile
         for label, epi, gelu, recip, res_mode, fast in (
@@ -364,34 +354,23 @@ def compile_report(tiles=GEMM_TILES):
                 ("gelu", 1, True, False, 0, False), ("gelu recip", 1, True, True, 0, False),
                 ("gelu fast", 1, True, True, 0, True), ("residual", 0, False, False, 1, False)):
             const = dict(EPILOGUE=epi, RES_MODE=res_mode, GELU=gelu, HEAD_DIM=64, COLUMN_OUT_SCALE=epi == 1,
-                         COLUMN_RES_SCALE=False, RECIPROCAL=recip, ALIGNED_QKV=epi == 2, EVEN_K=True, BLOCK_M=bm, BLOCK_N=bn,
-                         BLOCK_K=bk, GROUP_M=8, FAST_GELU=fast, INTERPRET=False)
-            ptrs = {"a_ptr": "*i8", "w_ptr": "*i8", "bias_ptr": "*fp32", "w_scale_ptr": "*fp32",
-                    "out_scale_ptr": "*fp32", "res_ptr": "*fp16", "out_ptr": "*fp16" if epi == 0 else "*i8",
-                    "vt_ptr": "*i8", "res_scale_vec_ptr": "*fp32"}
-            sig = {a: "constexpr" if a in const else ptrs.get(a, "fp32" if a in ("a_scale", "res_scale") else "i32")
-                   for a in names}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if sig[a] not in ("constexpr", "fp32")}
-            src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in const.items()},
-                            attrs=attrs)
+                         COLUMN_RES_SCALE=False, RECIPROCAL=recip, ALIGNED_QKV=epi == 2, EVEN_K=True, BLOCK_M=bm,
+                         BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FAST_GELU=fast, INTERPRET=False)
+            types = {"a_ptr": "*i8", "w_ptr": "*i8", "bias_ptr": "*fp32", "w_scale_ptr": "*fp32",
+                     "out_scale_ptr": "*fp32", "res_ptr": "*fp16", "out_ptr": "*fp16" if epi == 0 else "*i8",
+                     "vt_ptr": "*i8", "res_scale_vec_ptr": "*fp32", "a_scale": "fp32", "res_scale": "fp32"}
             try:
-                kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                        options=dict(num_warps=warps, num_stages=stages))
+                kernel = compile_sm90(ke._int8_gemm_kernel, const, types, warps, stages)
             except Exception as err:  # noqa: BLE001
                 print(f"{tile} {label}: compile failed ({type(err).__name__}: {str(err)[-300:]})")
                 continue
-            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-                f.write(kernel.asm["cubin"])
-            try:
-                usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-            finally:
-                os.unlink(f.name)
-            found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+            res = cubin_resources(kernel.asm["cubin"])
             ptx = kernel.asm["ptx"]
-            print(f"{str(tile):24s} {label:11s} regs {found.group(1) if found else '?':>4s} "
-                  f"spill {found.group(2) if found else '?':>4s} B  smem {kernel.metadata.shared}  ptx lines "
-                  f"{ptx.count(chr(10))} (div.rn {ptx.count('div.rn.f32')}, div.full {ptx.count('div.full.f32')}, "
-                  f"rcp {ptx.count('rcp.')}, ex2 {ptx.count('ex2.approx')})", flush=True)
+            regs, spill = res.get("REG", "?"), res.get("STACK", "?")
+            print(f"{str(tile):24s} {label:11s} regs {regs!s:>4s} spill {spill!s:>4s} B  "
+                  f"smem {kernel.metadata.shared}  ptx lines {ptx.count(chr(10))} (div.rn {ptx.count('div.rn.f32')}, "
+                  f"div.full {ptx.count('div.full.f32')}, rcp {ptx.count('rcp.')}, ex2 {ptx.count('ex2.approx')})",
+                  flush=True)
 
 
 def main(argv=None):

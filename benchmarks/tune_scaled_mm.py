@@ -88,14 +88,9 @@ def compile_report(cfg):
     from the cubin, plus the wgmma wait depth in the loop (1: the MMA overlaps the next iteration, as in the
     rowwise kernel; 0: it is waited for every step). Uses Triton internals (ASTSource, GPUTarget)."""
     import re
-    import subprocess
-    import tempfile
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from common import compile_sm90, cubin_resources
 
-    fn = kmm._blockwise_kernel
-    names = fn.arg_names
     mode, per_tile, promote = kmm.blockwise_modes(cfg)
     const = dict(HAS_BIAS=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SCALE_BLOCK=kmm.BLOCKWISE_SCALE_BLOCK,
@@ -104,25 +99,13 @@ def compile_report(cfg):
                  stride_ak=1, stride_bk=1, stride_sam=1, stride_sbn=1)
     ptrs = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "ws_ptr": "*fp32",
             "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32", "bias_ptr": "*bf16"}
-    sig = {a: "constexpr" if a in const else ptrs.get(a, "i32") for a in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if sig[a] != "constexpr"}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in const.items()},
-                    attrs=attrs)
     t = time.time()
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    kernel = compile_sm90(kmm._blockwise_kernel, const, ptrs, cfg.num_warps, cfg.num_stages)
     seconds = time.time() - t
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    try:
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
-    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     waits = sorted({int(w) for w in re.findall(r"wgmma.wait_group.sync.aligned\s+(\d+)", kernel.asm["ptx"])})
-    return dict(regs=int(found.group(1)) if found else None, spill_stack=int(found.group(2)) if found else None,
-                shared=kernel.metadata.shared, wgmma_waits=waits, compile_s=round(seconds, 2))
+    res = cubin_resources(kernel.asm["cubin"])
+    return dict(regs=res.get("REG"), spill_stack=res.get("STACK"), shared=kernel.metadata.shared,
+                wgmma_waits=waits, compile_s=round(seconds, 2))
 
 
 def short(cfg):

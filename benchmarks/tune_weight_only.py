@@ -164,15 +164,13 @@ def dry_run():
 def census(ms):
     import torch
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     import sass_weight_only as sw
+    from common import WEIGHT_ONLY_DIVISIBLE, compile_sm90, cubin_resources
     from quantfuse.kernels import weight_only as kw
 
-    ptr = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*fp32", "bias_ptr": "*bf16",
-           "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
-    div16 = set(ptr) | {"N", "K", "num_groups", "group_size", "stride_xm", "stride_wn", "stride_om"}
+    types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*fp32", "bias_ptr": "*bf16",
+             "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     seen = set()
     for m in ms:
         for c in stage1(m):
@@ -188,13 +186,10 @@ def census(ms):
                           CONVERT=kw._convert_code(c, torch.bfloat16, torch.float32, 4, mma, scale != 0))
             if not mma:
                 consts["BLOCK_M_P2"] = triton.next_power_of_2(c["block_m"])
-            sig = {a: ("constexpr" if a in consts else ptr.get(a, "i32")) for a in fn.arg_names}
-            attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
             t0 = time.time()
             try:
-                ck = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                                    target=GPUTarget("cuda", 90, 32),
-                                    options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]))
+                ck = compile_sm90(fn, consts, types, c["num_warps"], c["num_stages"],
+                                  divisible=WEIGHT_ONLY_DIVISIBLE)
                 summ = sw.summarize(sw.cuobjdump(ck.asm["cubin"]))
             except Exception as e:  # noqa: BLE001
                 print(f"{k:45s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
@@ -202,28 +197,10 @@ def census(ms):
             loop = summ.get("main_loop", {})
             weights_per_thread = c["block_n"] * 128 * c["chunks"] / (32 * c["num_warps"])
             n = loop.get("instructions", 0)
-            res = _resource_usage(ck.asm["cubin"])
+            res = cubin_resources(ck.asm["cubin"])
             print(f"{k:45s} regs {res.get('REG', '?'):>3} local {res.get('LOCAL', '?'):>4} smem {ck.metadata.shared:6d}  "
                   f"K-loop {n:5d} instr = {n / weights_per_thread:5.2f} per weight per thread  "
                   f"({time.time() - t0:.1f} s)", flush=True)
-
-
-def _resource_usage(cubin: bytes) -> dict:
-    """REG / STACK / LOCAL (spills) ... of the kernel, from cuobjdump --dump-resource-usage."""
-    import re
-    import subprocess
-    import tempfile
-
-    from triton import knobs
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        try:
-            text = subprocess.check_output([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name], text=True)
-        except Exception:  # noqa: BLE001
-            return {}
-    return {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", text)}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -157,6 +157,6 @@ def embed_case(m, n, device, write_fp16, column=False, vocab=50, max_pos=40, typ
 
         out = ke.layernorm_quant(word, gamma, beta, 1e-12, scale, write_fp16, embed=(ids, tt, positions, typ, pos))
         ids_ok = ids.clamp(max=vocab - 1)
-        emb16 = (word[ids_ok].float() + pos[positions].float() + typ[tt.long()].float()).half()
+        emb16 = enc.reference_embedding_sum(word, pos, typ, ids_ok, positions, tt)
         plain = ke.layernorm_quant(emb16, gamma, beta, 1e-12, scale, write_fp16)
     return out, plain, ref

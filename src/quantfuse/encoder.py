@@ -6,7 +6,7 @@ weight per output channel (`s_w[n] = max(amax_n, 1e-10) / 127`) and returns a mo
 `forward(input_ids, attention_mask)` returns the last hidden states [B, S, hidden] in fp16.
 
 Before the first layer one LayerNorm kernel gathers word + position + type embeddings, sums them
-(float32, rounded to fp16 as HF's fp16 model does), normalises and quantizes; in mode 2 the last layer's
+(float32, rounded once to fp16), normalises and quantizes; in mode 2 the last layer's
 LayerNorm also writes the encoder output as its int8 codes dequantized, fp16(q * s).
 
 One layer, with `x ~ s_in * x_q` its input (fp16 copy `x` too in mode 1):
@@ -153,6 +153,12 @@ def reference_int8_attention(qk, vt, cu_seqlens, max_seqlen, key_mask, q_scale, 
     return out
 
 
+def reference_embedding_sum(word, pos, typ, ids, positions, types):
+    """fp16(word[ids] + pos[positions] + type[types]): the fp16 table rows summed in float32 in that order,
+    one rounding to fp16 at the end (the encoder's embedding LayerNorm kernel computes the same)."""
+    return (word[ids].float() + pos[positions].float() + typ[types.long()].float()).to(torch.float16)
+
+
 def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=None, dequant_fp16=False):
     """o = (y - mean) / sqrt(var + eps) * gamma + beta per row (float32); fp16 copy if asked; int8
     sat(rne(o' / s_out)) with o' the fp16 copy when written, else o. embed = (input_ids, token_type_ids,
@@ -160,7 +166,7 @@ def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=
     type[types]), summed in float32 in that order. dequant_fp16: the fp16 output is fp16(float(q) * s_out)."""
     if embed is not None:
         ids, types, positions, type_emb, pos_emb = embed
-        y = (y[ids].float() + pos_emb[positions].float() + type_emb[types].float()).to(torch.float16)
+        y = reference_embedding_sum(y, pos_emb, type_emb, ids, positions, types)
     yf = y.float()
     centered = yf - yf.mean(-1, keepdim=True)
     var = (centered * centered).mean(-1, keepdim=True)

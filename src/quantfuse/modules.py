@@ -749,5 +749,5 @@ MODULE_CLASSES = {cls.__name__: cls for cls in
 
 __all__ = ["SharedInputQuantization", "SHARED_INPUT", "QuantizedLinear", "Int8DynamicLinear", "Int8StaticLinear",
            "Fp8DynamicLinear", "Fp8BlockLinear", "GatedMLP", "Fp8BlockGatedMLP", "Int8DynamicGatedMLP",
-           "Fp8DynamicGatedMLP", "GATED_MLP_CLASSES", "WeightOnlyLinear", "quantize_weight_per_channel", "gptq_quantize", "quantize_weight_blocks",
-           "pack_int32", "unpack_int32"]
+           "Fp8DynamicGatedMLP", "GATED_MLP_CLASSES", "WeightOnlyLinear", "quantize_weight_per_channel",
+           "gptq_quantize", "quantize_weight_blocks", "pack_int32", "unpack_int32"]
