@@ -79,10 +79,13 @@ def gemm_case(kind, m, n, k, device, heads=2, residual=None, column=False, confi
     return out, ref
 
 
-def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=False, config=None, aligned=False):
+def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=False, config=None, aligned=False,
+                   vt_pad16=False):
     """Packed (or padded to max length with a key mask) attention through kernel and reference; config: a
     forced kernel config (e.g. one of ATTENTION_PATHS). aligned: the kernel told that sequences start on
-    multiples of 16 (padded to a multiple of 16 only), V^T rows a multiple of 16 long."""
+    multiples of 16 (padded to a multiple of 16 only), V^T rows a multiple of 16 long. vt_pad16: V^T rows
+    padded to a multiple of 16 columns as the QKV GEMM writes them, random codes past the tokens (the
+    kernel walks each sequence's keys from its start rounded down to 16 and must give the extra keys p = 0)."""
     assert not aligned or (padded and max(lengths) % 16 == 0)
     if padded:
         s = max(lengths)
@@ -102,8 +105,12 @@ def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=Fa
         key_mask[masked_keys] = 0
     qk = int8(2, heads, t, head_dim, device=device)
     # an odd V^T row length unless aligned (then the next multiple of 16 past t, plus one spare block)
-    vt = torch.zeros(heads, head_dim, -(-t // 16) * 16 + 16 if aligned else t + 3, dtype=torch.int8, device=device)
-    vt[:, :, :t] = int8(heads, head_dim, t, device=device)
+    if vt_pad16:
+        vt = int8(heads, head_dim, max(16, -(-t // 16) * 16), device=device)
+    else:
+        vt = torch.zeros(heads, head_dim, -(-t // 16) * 16 + 16 if aligned else t + 3, dtype=torch.int8,
+                         device=device)
+        vt[:, :, :t] = int8(heads, head_dim, t, device=device)
     # score std ~ 127*74*sqrt(d) * s_q s_k / sqrt(d): pick s_q s_k so scores spread over a few units
     args = (qk, vt, cu, max_len, key_mask, 0.02, 3.0 / (74 * 74 * 0.02), 0.05, 1.0 / 127, 0.1)
     ref = enc.reference_int8_attention(*args)

@@ -72,6 +72,50 @@ def test_gemm_qkv_store_paths(heads, head_dim, block_n):
     u.assert_int8_close(out[1][:, :, :m], ref[1][:, :, :m])
 
 
+@pytest.mark.parametrize("variant", [(1, 0), (0, 2), (1, 2)], ids=["tma", "persistent", "tma_persistent"])
+@pytest.mark.parametrize("kind,residual", [("qkv", None), ("requant", None), ("residual", "fp16"),
+                                           ("residual", "int8")])
+@pytest.mark.parametrize("m,k", [(1, 64), (37, 96), (70, 48)])  # K 96 / 48: the last K block zero-filled
+def test_gemm_tma_persistent_variants(variant, kind, residual, m, k):
+    # tensor-descriptor loads (zero fill past M and K instead of wrapped rows and masks) and the
+    # persistent grid (2 programs per SM: 8 in the interpreter, fewer than the tiles of the larger cases)
+    tma, persistent = variant
+    n = 3 * 64 if kind == "qkv" else 96
+    out, ref = u.gemm_case(kind, m, n, k, DEV, heads=2, residual=residual,
+                           config=(16, 32, 32, 4, 2, tma, persistent))
+    if kind == "qkv":
+        u.assert_int8_close(out[0], ref[0])
+        u.assert_int8_close(out[1][:, :, :m], ref[1][:, :, :m])
+    elif kind == "requant":
+        u.assert_int8_close(out, ref)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-3, atol=1e-3)
+
+
+def test_gemm_table_variants_by_epilogue(monkeypatch):
+    # the sm90 table's 128x128 tile carries TMA + 2 persistent programs per SM for QKV and FC1, not for the
+    # residual epilogues, and the smaller fallback tiles carry none
+    monkeypatch.setattr(ke, "_table", lambda device: ke.ENCODER_CONFIGS["sm90"])
+    monkeypatch.setattr(ke, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert ke._pick_gemm_tile(cpu, 4096, 3072, 768, "requant") == (128, 128, 128, 4, 3, True, 2)
+    assert ke._pick_gemm_tile(cpu, 4096, 2304, 768, "qkv") == (128, 128, 128, 4, 3, True, 2)
+    assert ke._pick_gemm_tile(cpu, 4096, 768, 3072, "residual") == (128, 128, 128, 4, 3, False, 0)
+    assert ke._pick_gemm_tile(cpu, 128, 3072, 768, "requant")[5:] == (False, 0)
+
+
+def test_gemm_tma_falls_back_on_unaligned_rows():
+    # a row stride that is no multiple of 16 bytes cannot be described: the pointer path runs instead
+    a = u.int8(9, 40)[:, :36]
+    assert not ke.tma_applies(a)
+    w = u.int8(32, 36)
+    w_scale, bias = torch.rand(32) * 0.01, torch.randn(32)
+    ref = enc.reference_int8_gemm(a, w, 0.02, w_scale, bias, "residual")
+    with ops.backend("triton"):
+        out = ke.int8_gemm(a, w, 0.02, w_scale, bias, "residual", config=(16, 32, 32, 4, 2, 1, 0))
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-3, atol=1e-3)
+
+
 @triton.jit
 def _gelu_probe(x_ptr, out_ptr, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -226,6 +270,25 @@ def test_attention_aligned_starts(lengths, path):
     if 0 in lengths:
         b = lengths.index(0)
         assert int(out[b * s:(b + 1) * s].abs().max()) == 0
+
+
+@pytest.mark.parametrize("path", sorted(u.ATTENTION_PATHS))
+@pytest.mark.parametrize("lengths,padded", [([17, 5, 9], False), ([3, 40, 17, 1, 0], False), ([37, 20, 0], True),
+                                            ([127, 5], False)])
+def test_attention_align_down(lengths, padded, path, monkeypatch):
+    """Sequences at any offset with V^T rows padded to 16 columns (random codes past the tokens): the keys are
+    walked from each start rounded down to 16, the previous sequence's keys masked out, the padding columns
+    read with p = 0; same codes as the reference (packed, and padded to an odd length with a key mask)."""
+    spy = KernelSpy(ke._int8_attention_kernel)
+    monkeypatch.setattr(ke, "_int8_attention_kernel", spy)
+    out, ref, cu, _ = u.attention_case(lengths, 2, 16, DEV, padded=padded, config=u.ATTENTION_PATHS[path],
+                                       vt_pad16=True)
+    u.assert_int8_close(out, ref)
+    call = spy.calls.pop()
+    # one pass: the key block must hold the 15 keys before the start too (127 + 15 > 128: byte loads)
+    fits = not call["ONE_PASS"] or max(lengths) + 15 <= call["BLOCK_N"]
+    assert (call["ALIGN_DOWN"], call["ALIGNED"]) == (fits, False)
+    assert int(cu[1]) % 16 != 0  # the second sequence really starts off a multiple of 16
 
 
 @pytest.mark.parametrize("path", sorted(u.ATTENTION_PATHS))

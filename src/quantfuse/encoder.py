@@ -38,7 +38,9 @@ Padding removal packs the valid tokens of a batch into one [T, hidden] matrix be
 positions of the result are 0. The padded path (remove_padding=False) runs every position and masks
 padded keys; on valid tokens both paths are identical, bit for bit. Its sequences start on multiples of
 the padded length, so when that is a multiple of 16 the attention kernel is told (`aligned_starts`) and
-loads V^T in aligned 16-byte copies; packed sequences start anywhere.
+loads V^T in aligned 16-byte copies. Packed sequences start anywhere: the kernel walks each one's keys
+from its start rounded down to 16 (the keys before it masked; the QKV GEMM pads V^T's rows to 16 columns),
+so V^T loads in aligned copies there too.
 
 On CUDA tensors (or under `backend("triton")` with the interpreter) the kernels of
 `quantfuse.kernels.encoder` run; otherwise the same pipeline runs as a fake-quant PyTorch reference

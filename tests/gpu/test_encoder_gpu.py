@@ -35,6 +35,24 @@ def test_gemm_epilogues_full_size(m, kind, residual):
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("variant", [(1, 0), (0, 1), (1, 1), (1, 2)],
+                         ids=["tma", "persistent1", "tma_persistent1", "tma_persistent2"])
+@pytest.mark.parametrize("m", [1, 31, 4096 + 7])
+@pytest.mark.parametrize("kind,residual", [("qkv", None), ("requant", None), ("residual", "fp16"),
+                                           ("residual", "int8")])
+def test_gemm_tma_persistent_full_size(variant, m, kind, residual):
+    # tensor-descriptor loads and persistent grids on the 128x128x128 tile, at BERT-base widths
+    n, k = {"qkv": (2304, 768), "requant": (3072, 768), "residual": (768, 3072)}[kind]
+    out, ref = u.gemm_case(kind, m, n, k, DEV, heads=12, residual=residual, config=(128, 128, 128, 4, 3) + variant)
+    if kind == "qkv":
+        u.assert_int8_close(out[0], ref[0])
+        u.assert_int8_close(out[1][:, :, :m], ref[1][:, :, :m])
+    elif kind == "requant":
+        u.assert_int8_close(out, ref)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-3, atol=2e-3)
+
+
 @pytest.mark.parametrize("m", [1, 31, 4096 + 7])
 @pytest.mark.parametrize("kind,residual", [("requant", None), ("residual", "int8")])
 def test_gemm_per_column_scales_full_size(m, kind, residual):

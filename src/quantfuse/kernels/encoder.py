@@ -15,6 +15,9 @@ Symbols: activations are quantized per tensor, `x ~ s_x * x_q`; weights per outp
   - `"qkv"`: the fused Q|K|V projection: `q = sat(rne(v / s_out[n]))` (s_out = s_q, s_k or s_v by
     column), stored head-split: Q and K as `[2, heads, T, head_dim]`, V transposed as
     `[heads, head_dim, T_v]` so that P.V reads V K-major (the only int8 operand order wgmma takes).
+  The table picks per tile and epilogue how operands arrive (pointer loads, or tensor descriptors: the
+  Hopper copy engine, zero fill past the edges) and whether the grid is persistent (a few programs per SM
+  striding over tiles in one flattened loop, the next tile's loads issued under this tile's epilogue).
 * `int8_attention` -- one program per (query block, head, sequence) over packed variable-length
   sequences (`cu_seqlens`), key mask optional. Pass 1 finds the row max m and the normaliser l of
   `s = (Q_q . K_q^T) * s_q * s_k / sqrt(d)` over unmasked keys; pass 2 recomputes s, forms the final
@@ -48,31 +51,46 @@ import triton.language as tl
 from ._common import INTERPRET, exp2_approx, rcp_approx, to_int8_sat
 from .configs import arch_key, sm_count
 
+try:  # host-side tensor descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover -- older Triton: pointer loads only
+    TensorDescriptor = None
+
 # ----------------------------------------------------------------------------------------------------
 # Launch configurations (data, per architecture). GEMM tiles are tried largest first; the first whose
 # grid fills `min_waves` waves of the GPU's SMs is used, else the last (smallest) one.
 # ----------------------------------------------------------------------------------------------------
 ENCODER_CONFIGS = {
     "sm90": {
-        # (block_m, block_n, block_k, num_warps, num_stages, min_waves)
-        # From benchmarks/tune_encoder.py on the H100 (BERT-base GEMMs at 1024, 4096 and 16384 tokens, CUDA
+        # (block_m, block_n, block_k, num_warps, num_stages, min_waves, variants); variants: per epilogue
+        # (tma, persistent) -- A and W loaded through tensor descriptors (the copy engine: no per-thread
+        # addresses, zero fill past the edges) and programs per SM of a persistent grid whose flattened tile
+        # loop issues the next tile's loads under this tile's epilogue (0: a program per tile); an epilogue
+        # not named runs (False, 0). From benchmarks/tune_encoder.py on the H100 (BERT-base GEMMs at 1024, 4096 and 16384 tokens, CUDA
         # graphs; tune_encoder_gemm_tiles.json): 128x128x128 with 4 warps and 3 stages once the grid fills one
         # wave (fc2 at 4096 tokens 25.5 us vs 31.2 for 128x64, o 14.5 vs 15.2, qkv at 1024 11.9 vs 12.8; fc1
         # at 16384 185 us vs 234 for the earlier 8-warp, 4-stage first choice), else 128x64, else 64x64 (o and
         # fc2 at 1024 tokens: 7.0 and 13.2 us, the best of the sweep). 128x256 tiles are out: compiled for sm90
         # (Triton's ptxas, offline) their epilogues spill.
+        # Variants of the 128x128x128 tile (tune_encoder_tma.json, tune_encoder_qkv_persistent.json, CUDA
+        # graphs): QKV with TMA and 2 programs per SM 22.0 us vs 26.4 at 4096 tokens, 67.6 vs 85.0 at 16384
+        # (TMA alone 23.4 / 73.8); FC1 + GELU 30.8 vs 34.4 and 111.1 vs 130.4; one program per SM loses
+        # everywhere (FC1 53.3 / 197.2: its epilogue then idles the tensor cores); the residual epilogues (O,
+        # FC2) gain nothing (O 15.2 vs 14.6 at 4096 tokens, FC2 83.5 vs 83.5 at 16384).
         "gemm": [
-            (128, 128, 128, 4, 3, 1.0),
-            (128, 64, 128, 4, 4, 1.0),
-            (64, 64, 128, 4, 4, 0.0),
+            (128, 128, 128, 4, 3, 1.0, {"qkv": (True, 2), "requant": (True, 2)}),
+            (128, 64, 128, 4, 4, 1.0, {}),
+            (64, 64, 128, 4, 4, 0.0, {}),
         ],
         # The QKV GEMM uses the same list: once its head-split stores were vector stores, the same sweep put
         # 128x128x128 / 4 warps / 3 stages first for it too (16384 tokens: 89.7 us vs 111.2 for 128x64).
         # Two passes (longer sequences), from benchmarks/tune_encoder.py TUNE_ALIGNED=0,1 at 32x384 and 16x512
         # (CUDA graphs; tune_encoder_attention_aligned.json): with 16-aligned sequence starts (the padded path)
         # 64x64 / 4 warps / 3 stages, 76.5 and 64.9 us (V^T in asynchronous 16-byte copies; SDPA fp16 46.4 and
-        # 39.3); packed sequences at any offset load V^T a byte at a time, where 128x64 / 8 warps is best, 104.0
-        # and 87.6 us (the earlier 64x32 / 4 warps: 105.8 and 91.2).
+        # 39.3). Packed sequences at any offset walk their keys from the start rounded down to 16 (`align_down`)
+        # and take the aligned config too (graphed packed encoder at 32x384 half-length, bench_encoder: 2839 us
+        # vs 3119 with byte loads of V^T). "attention" is for V^T rows not padded to 16 columns, loaded a byte
+        # at a time: 128x64 / 8 warps, 104.0 and 87.6 us (the earlier 64x32 / 4 warps: 105.8 and 91.2).
         "attention": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
         "attention_aligned": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
         # one pass (whole score rows on chip) up to these key counts: (max_seqlen, tile), the first that covers
@@ -102,8 +120,8 @@ ENCODER_CONFIGS = {
     },
     "default": {
         "gemm": [
-            (64, 64, 64, 4, 3, 1.0),
-            (32, 32, 32, 4, 2, 0.0),
+            (64, 64, 64, 4, 3, 1.0, {}),
+            (32, 32, 32, 4, 2, 0.0, {}),
         ],
         "attention": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
         "attention_aligned": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
@@ -157,47 +175,65 @@ def _gelu(v, FAST: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _int8_gemm_kernel(
-    a_ptr, w_ptr, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
-    M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt,
-    a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
-    EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
-    COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr, RECIPROCAL: tl.constexpr,
-    ALIGNED_QKV: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, FAST_GELU: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    pid = tl.program_id(0)
+def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped tile order: tiles that run together share A rows and W columns in L2."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    # Grouped launch order: programs that run together share A rows and W columns in L2.
-    group = pid // (GROUP_M * num_n)
+    group = tile // (GROUP_M * num_n)
     first_m = group * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m = first_m + (tile % (GROUP_M * num_n)) % size_m
+    pid_n = (tile % (GROUP_M * num_n)) // size_m
+    return pid_m, pid_n
 
+
+@triton.jit
+def _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn,
+              TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """acc = A_q[tile rows] @ W_q[tile columns]^T in int32. TMA: a_src / w_src are tensor descriptors
+    (blocks [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K]; the copy engine zero-fills past M, N and K, so no
+    masks and no per-thread addresses); else pointers, with out-of-range rows / columns wrapped onto valid
+    ones (no masks in the main loop; the stores are masked)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    if TMA:
+        for k0 in range(0, K, BLOCK_K):
+            a = a_src.load([pid_m * BLOCK_M, k0])
+            w = w_src.load([pid_n * BLOCK_N, k0])
+            acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
+    else:
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rm_load = tl.where(rm < M, rm, 0)
+        rn_load = tl.where(rn < N, rn, 0)
+        a_ptrs = a_src + rm_load[:, None].to(tl.int64) * stride_am + rk[None, :]
+        # W is [N, K] row-major: the [BLOCK_K, BLOCK_N] tile is K-contiguous (K-major B operand).
+        w_ptrs = w_src + rn_load[None, :].to(tl.int64) * stride_wn + rk[:, None]
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=rk[None, :] < K - k0, other=0)
+                w = tl.load(w_ptrs, mask=rk[:, None] < K - k0, other=0)
+            acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _tile_epilogue(
+    acc, pid_m, pid_n, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+    M, N, stride_rm, stride_om, stride_vt, a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
+    EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
+    COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr, RECIPROCAL: tl.constexpr,
+    ALIGNED_QKV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST_GELU: tl.constexpr,
+    BRANCH_FREE: tl.constexpr, INTERPRET: tl.constexpr,
+):
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    # Out-of-range rows/columns wrap onto valid ones for the loads (no masks in the main loop); the
-    # stores are masked.
-    rm_load = tl.where(rm < M, rm, 0)
-    rn_load = tl.where(rn < N, rn, 0)
-    a_ptrs = a_ptr + rm_load[:, None].to(tl.int64) * stride_am + rk[None, :]
-    # W is [N, K] row-major: the [BLOCK_K, BLOCK_N] tile is K-contiguous (K-major B operand).
-    w_ptrs = w_ptr + rn_load[None, :].to(tl.int64) * stride_wn + rk[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=rk[None, :] < K - k0, other=0)
-            w = tl.load(w_ptrs, mask=rk[:, None] < K - k0, other=0)
-        acc = tl.dot(a, w, acc, out_dtype=tl.int32)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-
     m_ok = rm < M
     n_ok = rn < N
     mask = m_ok[:, None] & n_ok[None, :]
@@ -240,13 +276,21 @@ def _int8_gemm_kernel(
             colw = (col0 - which * HIDDEN) + (j // SUB) * SUB
             head = colw // HEAD_DIM
             d = colw - head * HEAD_DIM + j % SUB
-            if which < 2:
-                # Q, K: [2, heads, M, HEAD_DIM]
+            # Q, K: [2, heads, M, HEAD_DIM]; V^T: [heads, HEAD_DIM, stride_vt]
+            if BRANCH_FREE:
+                # both stores, one masked off: a branch on `which` inside the persistent tile loop keeps the
+                # compiler from flattening it
+                qk_off = ((tl.minimum(which, 1) * (HIDDEN // HEAD_DIM) + head).to(tl.int64) * M)[None, :] \
+                    * HEAD_DIM + rm[:, None] * HEAD_DIM + d[None, :]
+                which_j = (j * 0 + which)[None, :]  # a tensor: the interpreter takes no scalar in a mask
+                tl.store(out_ptr + qk_off, q, mask=mask & (which_j < 2))
+                vt_off = (head * HEAD_DIM + d).to(tl.int64)[None, :] * stride_vt + rm[:, None]
+                tl.store(vt_ptr + vt_off, q, mask=mask & (which_j == 2))
+            elif which < 2:
                 qk_off = ((which * (HIDDEN // HEAD_DIM) + head).to(tl.int64) * M)[None, :] * HEAD_DIM \
                     + rm[:, None] * HEAD_DIM + d[None, :]
                 tl.store(out_ptr + qk_off, q, mask=mask)
             else:
-                # V^T: [heads, HEAD_DIM, stride_vt]
                 vt_off = (head * HEAD_DIM + d).to(tl.int64)[None, :] * stride_vt + rm[:, None]
                 tl.store(vt_ptr + vt_off, q, mask=mask)
         else:
@@ -263,17 +307,56 @@ def _int8_gemm_kernel(
             tl.store(vt_ptr + vt_off, q, mask=mask & (which == 2)[None, :])
 
 
-def _pick_gemm_tile(device: torch.device, m: int, n: int, k: int):
+@triton.jit
+def _int8_gemm_kernel(
+    a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+    M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt,
+    a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
+    EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
+    COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr, RECIPROCAL: tl.constexpr,
+    ALIGNED_QKV: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, FAST_GELU: tl.constexpr, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One output tile per program, or (PERSISTENT) a grid of a few programs per SM striding over the tiles
+    in one flattened loop, so the compiler can issue the next tile's loads under this tile's epilogue."""
+    if PERSISTENT:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn,
+                            TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+            _tile_epilogue(acc, pid_m, pid_n, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+                           M, N, stride_rm, stride_om, stride_vt, a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
+                           EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
+                           ALIGNED_QKV, BLOCK_M, BLOCK_N, FAST_GELU, True, INTERPRET)
+    else:
+        pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn,
+                        TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        _tile_epilogue(acc, pid_m, pid_n, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+                       M, N, stride_rm, stride_om, stride_vt, a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
+                       EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
+                       ALIGNED_QKV, BLOCK_M, BLOCK_N, FAST_GELU, False, INTERPRET)
+
+
+def tma_applies(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned base addresses and row strides (int8: K % 16 == 0)."""
+    return TensorDescriptor is not None and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in tensors)
+
+
+def _pick_gemm_tile(device: torch.device, m: int, n: int, k: int, epilogue: str):
+    """(block_m, block_n, block_k, num_warps, num_stages, tma, persistent) from the table."""
     tiles = _table(device)["gemm"]
     sms = sm_count(device)
-    for bm, bn, bk, warps, stages, min_waves in tiles:
+    for bm, bn, bk, warps, stages, min_waves, variants in tiles:
         if bk > max(16, triton.next_power_of_2(k)):
             continue
         ctas = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         if ctas >= min_waves * sms:
-            return bm, bn, bk, warps, stages
-    bm, bn, bk, warps, stages, _ = tiles[-1]
-    return bm, bn, min(bk, max(16, triton.next_power_of_2(k))), warps, stages
+            return (bm, bn, bk, warps, stages) + variants.get(epilogue, (False, 0))
+    bm, bn, bk, warps, stages, _, variants = tiles[-1]
+    return (bm, bn, min(bk, max(16, triton.next_power_of_2(k))), warps, stages) + variants.get(epilogue, (False, 0))
 
 
 def int8_gemm(
@@ -297,8 +380,10 @@ def int8_gemm(
 ):
     """Launch `acc = a @ w.T` (int8 [M, K] x int8 [N, K]) with the named epilogue (module docstring).
 
-    config (block_m, block_n, block_k, num_warps, num_stages), reciprocal and fast_gelu override the table
-    (for benchmarks/tune_encoder.py).
+    config (block_m, block_n, block_k, num_warps, num_stages[, tma, persistent]), reciprocal and fast_gelu
+    override the table (for benchmarks/tune_encoder.py). tma: load A and W through tensor descriptors (the
+    Hopper copy engine) where `tma_applies`; persistent: programs per SM of a persistent grid (0: one
+    program per tile).
 
     out_scale: float32 [1] (per tensor) or [N] (per output column: "qkv", and "requant" when the consumer
     of the int8 output folds a per-channel smoothing factor into its weight). residual_scale: a float, or
@@ -333,7 +418,10 @@ def int8_gemm(
                          f"got {w.shape[0]}")
     m, k = a.shape
     dev = a.device
-    bm, bn, bk, warps, stages = config if config is not None else _pick_gemm_tile(dev, m, n, k)
+    tile = tuple(config) if config is not None else _pick_gemm_tile(dev, m, n, k, epilogue)
+    bm, bn, bk, warps, stages = tile[:5]
+    use_tma, persistent = tile[5:7] if len(tile) >= 7 else (False, 0)
+    use_tma = bool(use_tma) and tma_applies(a, w)
     if reciprocal is None:
         reciprocal = _table(dev)["reciprocal_requant"]
     if fast_gelu is None:
@@ -354,9 +442,14 @@ def int8_gemm(
     if residual is not None:
         res = residual
         res_mode = 1 if residual.dtype == torch.float16 else 2
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    grid = (min(tiles, int(persistent) * sm_count(dev)) if persistent else tiles,)
+    a_src, w_src = a, w
+    if use_tma:
+        a_src = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk])
+        w_src = TensorDescriptor(w, list(w.shape), list(w.stride()), [bn, bk])
     _int8_gemm_kernel[grid](
-        a, w, bias, w_scale, out_scale if out_scale is not None else w_scale, res, out, vt,
+        a_src, w_src, bias, w_scale, out_scale if out_scale is not None else w_scale, res, out, vt,
         m, n, k, a.stride(0), w.stride(0), res.stride(0) if res.dim() == 2 else 0,
         out.stride(0) if code != 2 else 0, vt_stride or 0,
         float(a_scale), 1.0 if column_res else float(residual_scale), residual_scale if column_res else w_scale,
@@ -366,8 +459,8 @@ def int8_gemm(
         COLUMN_RES_SCALE=column_res, RECIPROCAL=bool(reciprocal),
         ALIGNED_QKV=code == 2 and hidden % bn == 0 and (bn % head_dim == 0 or head_dim % bn == 0),
         EVEN_K=(k % bk == 0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FAST_GELU=bool(fast_gelu) and gelu, INTERPRET=INTERPRET,
-        num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FAST_GELU=bool(fast_gelu) and gelu, TMA=use_tma,
+        PERSISTENT=bool(persistent), INTERPRET=INTERPRET, num_warps=warps, num_stages=stages,
     )
     if code == 2:
         return out, vt
@@ -378,19 +471,20 @@ def int8_gemm(
 # int8 attention: QK^T -> masked softmax (fp32) -> int8 P -> P.V -> dequant + head merge + requant
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _masked_scores(q, k_base, key_mask_ptr, start, n0, length, score_scale_log2,
+def _masked_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen, score_scale_log2,
                    HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Scores of the query block against keys n0 .. n0 + BLOCK_N - 1 of the sequence, (Q_q . K_q^T) times
-    the scale (log2 units), -inf at keys past the sequence or masked out; with the key columns."""
+    """Scores of the query block against key columns n0 .. n0 + BLOCK_N - 1 counted from `kstart`, (Q_q .
+    K_q^T) times the scale (log2 units), -inf outside the sequence (columns [lead, klen)) or masked out;
+    with the key columns and the columns that were loaded (< klen)."""
     d = tl.arange(0, HEAD_DIM)
     cols = n0 + tl.arange(0, BLOCK_N)
-    in_seq = cols < length
-    k = tl.load(k_base + (start + cols)[:, None] * HEAD_DIM + d[None, :], mask=in_seq[:, None], other=0)
+    in_k = cols < klen
+    k = tl.load(k_base + (kstart + cols)[:, None] * HEAD_DIM + d[None, :], mask=in_k[:, None], other=0)
     s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * score_scale_log2
-    valid = in_seq
+    valid = in_k & (cols >= lead)
     if HAS_MASK:
-        valid = valid & (tl.load(key_mask_ptr + start + cols, mask=in_seq, other=0) != 0)
-    return tl.where(valid[None, :], s, float("-inf")), cols, in_seq
+        valid = valid & (tl.load(key_mask_ptr + kstart + cols, mask=in_k, other=0) != 0)
+    return tl.where(valid[None, :], s, float("-inf")), cols
 
 
 @triton.jit
@@ -405,22 +499,41 @@ def _int8_attention_kernel(
     T, k_plane, stride_vt, stride_om,
     score_scale_log2, inv_p_scale, ctx_scale, out_scale,
     HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr, ONE_PASS: tl.constexpr, ALIGNED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    ALIGN_DOWN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """ONE_PASS (BLOCK_N >= the longest sequence): the block's whole score rows at once, so the row max and
     the normaliser are exact reductions and each score is computed and exponentiated once; otherwise two
-    passes over key blocks (online max / normaliser, then recomputed scores)."""
+    passes over key blocks (online max / normaliser, then recomputed scores).
+
+    Keys are walked from `kstart`: the sequence start (ALIGNED, or neither flag) or (ALIGN_DOWN) the start
+    rounded down to a multiple of 16, the `lead` = start % 16 keys before it (the previous sequence's) masked
+    out, and V^T read up to a multiple of 16 columns (V^T rows are padded to 16 columns; the extra keys have
+    p = 0). Either way V^T's key runs and their masks are 16-byte aligned, so its tiles load as 16-byte
+    asynchronous copies pipelined with the MMAs instead of one synchronous byte load per key (offline sm90
+    SASS: LDGSTS.128 instead of LDG.U8 + STS.U8)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
     start = tl.load(cu_seqlens_ptr + seq)
     length = tl.load(cu_seqlens_ptr + seq + 1) - start
     if ALIGNED:
-        # Every sequence starts and ends on a multiple of 16 tokens: V^T's key runs (and their masks) are then
-        # 16-byte aligned, so its tiles load as 16-byte asynchronous copies pipelined with the MMAs instead of
-        # one synchronous byte load per key (offline sm90 SASS: LDGSTS.128 instead of LDG.U8 + STS.U8).
+        # every sequence starts and ends on a multiple of 16 tokens
         start = tl.multiple_of(start, 16)
         length = tl.multiple_of(length, 16)
+        lead = 0
+        kstart = start
+        klen = length
+        vlen = length
+    elif ALIGN_DOWN:
+        lead = start % 16
+        kstart = tl.multiple_of(start - lead, 16)
+        klen = lead + length
+        vlen = tl.multiple_of((klen + 15) // 16 * 16, 16)
+    else:
+        lead = 0
+        kstart = start
+        klen = length
+        vlen = length
     if pid_m * BLOCK_M < length:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, HEAD_DIM)
@@ -431,21 +544,22 @@ def _int8_attention_kernel(
         vt_base = vt_ptr + head.to(tl.int64) * HEAD_DIM * stride_vt
 
         if ONE_PASS:
-            s, cols, in_seq = _masked_scores(q, k_base, key_mask_ptr, start, 0, length, score_scale_log2,
-                                             HEAD_DIM, HAS_MASK, BLOCK_N)
+            s, cols = _masked_scores(q, k_base, key_mask_ptr, kstart, 0, lead, klen, score_scale_log2,
+                                     HEAD_DIM, HAS_MASK, BLOCK_N)
             m_i = tl.max(s, 1)
             m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
             e = exp2_approx(s - m_safe[:, None], INTERPRET)
             p_q = to_int8_sat(e * _p_factor(tl.sum(e, 1), inv_p_scale)[:, None])
-            vt = tl.load(vt_base + d[:, None] * stride_vt + (start + cols)[None, :], mask=in_seq[None, :], other=0)
+            vt = tl.load(vt_base + d[:, None] * stride_vt + (kstart + cols)[None, :], mask=(cols < vlen)[None, :],
+                         other=0)
             acc = tl.dot(p_q, tl.trans(vt), out_dtype=tl.int32)
         else:
             # Pass 1: row max and normaliser (base-2 units: score_scale_log2 folds in log2(e)).
             m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
             l_i = tl.zeros((BLOCK_M,), tl.float32)
-            for n0 in range(0, length, BLOCK_N):
-                s, cols, in_seq = _masked_scores(q, k_base, key_mask_ptr, start, n0, length, score_scale_log2,
-                                                 HEAD_DIM, HAS_MASK, BLOCK_N)
+            for n0 in range(0, klen, BLOCK_N):
+                s, cols = _masked_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen, score_scale_log2,
+                                         HEAD_DIM, HAS_MASK, BLOCK_N)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 l_i = l_i * exp2_approx(m_i - m_safe, INTERPRET) \
@@ -456,13 +570,13 @@ def _int8_attention_kernel(
             m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
             p_factor = _p_factor(l_i, inv_p_scale)
             acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.int32)
-            for n0 in range(0, length, BLOCK_N):
-                s, cols, in_seq = _masked_scores(q, k_base, key_mask_ptr, start, n0, length, score_scale_log2,
-                                                 HEAD_DIM, HAS_MASK, BLOCK_N)
+            for n0 in range(0, klen, BLOCK_N):
+                s, cols = _masked_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen, score_scale_log2,
+                                         HEAD_DIM, HAS_MASK, BLOCK_N)
                 p = exp2_approx(s - m_safe[:, None], INTERPRET) * p_factor[:, None]
                 p_q = to_int8_sat(p)
-                vt = tl.load(vt_base + d[:, None] * stride_vt + (start + cols)[None, :], mask=in_seq[None, :],
-                             other=0)
+                vt = tl.load(vt_base + d[:, None] * stride_vt + (kstart + cols)[None, :],
+                             mask=(cols < vlen)[None, :], other=0)
                 acc = tl.dot(p_q, tl.trans(vt), acc, out_dtype=tl.int32)
 
         ctx = acc.to(tl.float32) * ctx_scale
@@ -477,7 +591,8 @@ ONE_PASS_MAX_KEYS = 512
 
 def _attention_config(device: torch.device, max_seqlen: int, aligned: bool) -> dict:
     """The one-pass tile for the first `attention_one_pass` entry whose key count covers max_seqlen, else the
-    two-pass config for aligned or arbitrary sequence starts."""
+    two-pass config for 16-aligned V^T key runs (aligned starts, or starts rounded down: `int8_attention`)
+    or for byte-wise V^T loads."""
     table = _table(device)
     for max_keys, cfg in table["attention_one_pass"]:
         if max_seqlen <= max_keys:
@@ -505,10 +620,15 @@ def int8_attention(
     block_n then being the next power of two of max_seqlen, at least 32) overrides the table
     (benchmarks/tune_encoder.py).
     aligned_starts: the caller guarantees every cu_seqlens entry is a multiple of 16 (the padded path's
-    uniform batches of a length divisible by 16); V^T then loads as aligned 16-byte copies."""
+    uniform batches of a length divisible by 16). Otherwise, where V^T's rows are padded to a multiple of 16
+    columns (vt.stride(1) % 16 == 0, as the QKV GEMM writes them) and (one pass) the key block has room for
+    15 more keys, each sequence's keys are walked from its start rounded down to a multiple of 16, the keys
+    before the start masked (`align_down`). Both load V^T as aligned 16-byte copies; align_down=False
+    forces byte loads (benchmarks/tune_encoder.py)."""
     _, heads, t, head_dim = qk.shape
-    aligned = bool(aligned_starts) and vt.stride(1) % 16 == 0
-    cfg = config or _attention_config(qk.device, max_seqlen, aligned)
+    padded_vt = vt.stride(1) % 16 == 0
+    aligned = bool(aligned_starts) and padded_vt
+    cfg = dict(config or _attention_config(qk.device, max_seqlen, aligned or padded_vt))
     one_pass = bool(cfg.get("one_pass", False))
     if one_pass and max_seqlen > ONE_PASS_MAX_KEYS:
         raise ValueError(f"config: one_pass holds at most {ONE_PASS_MAX_KEYS} keys per row, max_seqlen is "
@@ -516,6 +636,8 @@ def int8_attention(
     bm = cfg["block_m"]
     # P.V's K is the key block: int8 tensor-core products need K >= 32 (16 gave wrong results on the H100)
     bn = max(32, triton.next_power_of_2(max(max_seqlen, 1))) if one_pass else cfg["block_n"]
+    align_down = (not aligned and padded_vt and cfg.get("align_down", True)
+                  and (not one_pass or max_seqlen + 15 <= bn))
     out = torch.empty((t, heads * head_dim), dtype=torch.int8, device=qk.device)
     batch = cu_seqlens.numel() - 1
     grid = (triton.cdiv(max(max_seqlen, 1), bm), heads, batch)
@@ -525,7 +647,7 @@ def int8_attention(
         t, heads * t * head_dim, vt.stride(1), out.stride(0),
         score_scale_log2, 1.0 / p_scale, p_scale * v_scale, out_scale,
         HEAD_DIM=head_dim, HAS_MASK=key_mask is not None, ONE_PASS=one_pass,
-        ALIGNED=aligned,
+        ALIGNED=aligned, ALIGN_DOWN=align_down,
         BLOCK_M=bm, BLOCK_N=bn, INTERPRET=INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
