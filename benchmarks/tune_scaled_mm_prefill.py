@@ -82,16 +82,20 @@ def main(argv=None):
                                  vs_peer=round(peer_ms / ms, 3)))
 
             add("shipped", time_ms(ours(None), sets, graph=True, warmup=10, rep=40))
-            for bm, bn, bk, w, st, gm in TILES:
+            for tile in TILES:
                 if time.perf_counter() - t0 > BUDGET_S:
                     break
-                cfg = kmm.MMConfig(bm, bn, bk, w, st, gm)
+                # optional 7th / 8th fields: tensor-descriptor operands, persistent programs per SM
+                bm, bn, bk, w, st, gm = tile[:6]
+                tma, persistent = (bool(tile[6]), tile[7]) if len(tile) >= 8 else (False, 0)
+                cfg = kmm.MMConfig(bm, bn, bk, w, st, gm, tma=tma, persistent=persistent)
                 try:
                     ms = time_ms(ours(cfg), sets, graph=True, warmup=5, rep=25)
                 except Exception as err:  # noqa: BLE001 -- out of resources etc.
                     print(f"{dtype} {m}x{k}x{n} {cfg} failed: {type(err).__name__}", flush=True)
                     continue
-                add(f"{bm}x{bn}x{bk} w{w} s{st} g{gm}", ms)
+                add(f"{bm}x{bn}x{bk} w{w} s{st} g{gm}" + (f" tma{int(tma)} p{persistent}" if len(tile) >= 8 else ""),
+                    ms)
             mine = [r for r in rows if (r["dtype"], r["M"], r["K"], r["N"]) == (dtype, m, k, n)]
             best = min(mine, key=lambda r: r["us"])
             shipped = mine[0]

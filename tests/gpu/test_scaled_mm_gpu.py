@@ -131,6 +131,21 @@ def test_zero_point_epilogues_exact_int32(m, k, n):
     assert_within_bound(out, a, b, sa, sb, bias, qf.azp_adjustment(b), azp)
 
 
+@pytest.mark.parametrize("variant", [(True, 0), (True, 2), (False, 2)], ids=["tma", "tma_persistent", "persistent"])
+@pytest.mark.parametrize("tile", [(128, 128, 128, 4, 3, 8), (128, 256, 128, 8, 3, 16)], ids=["128x128", "128x256"])
+@pytest.mark.parametrize("m,k,n", [(1024, 4096, 6144), (4096 + 17, 3420, 1280), (300, 971, 1024)])
+@pytest.mark.parametrize("dtype", [INT8, FP8])
+def test_tma_and_persistent_variants(variant, tile, m, k, n, dtype):
+    # tensor-descriptor operands and persistent grids at full size, unaligned K (971: pointer loads, the
+    # row stride is no multiple of 16) and a partial last row tile included
+    a, b = _operands(m, k, n, dtype)
+    sa, sb = _scales(m, n)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    cfg = kmm.MMConfig(*tile, tma=variant[0], persistent=variant[1])
+    out = kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, bias, None, None, config=cfg)
+    assert_within_bound(out, a, b, sa, sb, bias)
+
+
 @pytest.mark.parametrize("dtype", [INT8, FP8])
 def test_layouts_padded_rows_and_strided_b(dtype):
     m, k, n = 1000, 4096, 2000

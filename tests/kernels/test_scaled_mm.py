@@ -251,6 +251,47 @@ def test_split_k_forced(reduce_calls, split_k, k, expect_split, dtype, epilogue)
         assert torch.equal(exact, int64_result(a, b, corr).to(torch.float32))
 
 
+@pytest.mark.parametrize("tma,persistent,split_k", [(True, 0, 1), (False, 2, 1), (True, 2, 1), (True, 2, 3)],
+                         ids=["tma", "persistent", "tma_persistent", "tma_split"])
+@pytest.mark.parametrize("m,n,k", [(1, 45, 64), (37, 70, 112), (70, 100, 48)])
+@pytest.mark.parametrize("dtype,epilogue", [(INT8, "plain"), (INT8, "azp_token"), (FP8, "plain")])
+def test_tma_and_persistent_variants(tma, persistent, split_k, m, n, k, dtype, epilogue, monkeypatch):
+    """Tensor-descriptor operands (zero fill past M, N and K instead of wrapped rows and K masks) and the
+    persistent grid (2 programs per SM: 8 under the interpreter, fewer than the tiles of the larger cases;
+    ignored when K is split): exact int8 against int64, fp8 against the reference."""
+    seen = []
+    real = kmm._scaled_mm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append((grid, kwargs["TMA"], kwargs["PERSISTENT"]))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(kmm, "_scaled_mm_kernel", Spy())
+    a = rand_q((m, k), dtype)
+    b = make_b(k, n, dtype, "t")
+    azp_adj, azp, corr = make_epilogue(epilogue, a, b)
+    sa, sb, bias = rand_scale(m, (m, 1)), rand_scale(n, (1, n)), torch.randn(n)
+    cfg = kmm.MMConfig(16, 32, 32, 4, 1, group_m=2, split_k=split_k, tma=tma, persistent=persistent)
+    got = kmm.scaled_mm(a, b, sa, sb, torch.float32, bias, azp_adj, azp, config=cfg)
+    assert_mm_close(got, ref.scaled_mm(a, b, sa, sb, torch.float32, bias, azp_adj, azp), torch.float32, dtype == FP8)
+    grid, used_tma, used_persistent = seen[0]
+    assert used_tma == tma and used_persistent == (persistent > 0 and grid[1] == 1)
+    if dtype == INT8:
+        exact = kmm.scaled_mm(a, b, torch.ones(1), torch.ones(1), torch.float32, None, azp_adj, azp, config=cfg)
+        assert torch.equal(exact, int64_result(a, b, corr).to(torch.float32))
+
+
+def test_tma_needs_k_major_aligned_operands():
+    # row-major b [K, N] (N-contiguous) or a row stride that is no multiple of 16 bytes: pointer loads
+    a = rand_q((5, 64), INT8)
+    assert kmm.tma_applies(a, make_b(64, 32, INT8, "t"))
+    assert not kmm.tma_applies(a, make_b(64, 32, INT8, "row"))
+    assert not kmm.tma_applies(rand_q((5, 72), INT8)[:, :60], make_b(60, 32, INT8, "t"))
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_split_k_half_outputs(reduce_calls, out_dtype):
     m, n, k = 3, 50, 200
@@ -652,12 +693,28 @@ def test_wave_pick_fp8_rows_match_the_sweep(m, n, expect_block_n):
     assert kmm._wave_pick(fp8_large, m, n, 132).block_n == expect_block_n
 
 
+def test_large_m_table_runs_tma_persistent_first(monkeypatch):
+    # sm90, M >= 1024: the tensor-descriptor, persistent candidates lead (fp8 128x256 / 1 program per SM,
+    # 128x128 / 2 where 128x256 leaves the last wave part-empty; int8 128x128 / 2 programs per SM)
+    monkeypatch.setattr(kmm, "arch_key", lambda *a: "sm90")
+    monkeypatch.setattr(kmm, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kmm, "_autotune_enabled", lambda: False)
+    dev = torch.device("cuda")
+    fp8 = kmm._pick_config(kmm.CONFIGS, 4096, 8192, 28672, dev, None, None)
+    assert (fp8.block_n, fp8.tma, fp8.persistent) == (256, True, 1)
+    fp8_partial_wave = kmm._pick_config(kmm.CONFIGS, 1024, 6144, 4096, dev, None, None)
+    assert (fp8_partial_wave.block_n, fp8_partial_wave.tma, fp8_partial_wave.persistent) == (128, True, 2)
+    int8 = kmm._pick_config(kmm.CONFIGS, 4096, 8192, 28672, dev, None, None, "int8")
+    assert (int8.block_n, int8.tma, int8.persistent) == (128, True, 2)
+
+
 def test_wave_efficiency_and_int8_rows():
     cfg = kmm.MMConfig(128, 256, 128, 8, 3)
     assert kmm.wave_efficiency(1024, 6144, cfg, 132) == pytest.approx(192 / 264)
     assert kmm.wave_efficiency(1024, 4096, cfg, 128) == 1.0
     # int8 large M has its own first choice; the small-M rows are shared with fp8
-    assert kmm._bucket(kmm.CONFIGS["sm90_int8"], 4096, 4096)[0] == kmm.MMConfig(128, 128, 128, 4, 3)
+    assert kmm._bucket(kmm.CONFIGS["sm90_int8"], 4096, 4096)[0] == kmm.MMConfig(128, 128, 128, 4, 3, tma=True,
+                                                                                persistent=2)
     for m, n in [(1, 4096), (16, 28672), (64, 4096), (256, 4096)]:
         assert kmm._bucket(kmm.CONFIGS["sm90_int8"], m, n) == kmm._bucket(kmm.CONFIGS["sm90"], m, n)
     assert kmm._table_rows(kmm.CONFIGS, torch.device("cpu"), "int8") is kmm.CONFIGS["default"]

@@ -20,6 +20,10 @@ Design:
   programs (SPLIT_K). Each split writes its raw partial (int32 for int8, exact) to a workspace and a
   second kernel sums the splits and applies the epilogue. Deterministic, no atomics, no memset, so it
   is CUDA-graph safe.
+- Large M (sm90 table): operands through tensor descriptors (TMA: the copy engine moves the tiles, zero fill
+  past M, N and K; `tma_applies`: K-contiguous a and b^T with 16-byte aligned rows, else pointer loads) and a
+  persistent grid of one or two programs per SM whose flattened tile loop issues the next tile's loads under
+  this tile's epilogue (MMConfig.tma / persistent).
 - Configs come from a table per architecture and M bucket (`CONFIGS`), never from a tuning sweep at
   first call. QUANTFUSE_AUTOTUNE=1 opts in to timing the bucket's candidates once per shape.
 - Under the Triton interpreter, fp8 loads cannot take `other=`; the K tail is then zeroed after the load
@@ -42,6 +46,11 @@ import triton.language as tl
 from ._common import INTERPRET, cast_to
 from .configs import arch_key, sm_count
 
+try:  # host-side tensor descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover -- older Triton: pointer loads only
+    TensorDescriptor = None
+
 
 # ----------------------------------------------------------------------------------------------------
 # Config table: per architecture, per M bucket (upper bound of M), a list of candidates; the first is
@@ -59,6 +68,10 @@ class MMConfig:
     split_k: int = 0
     # blockwise kernel only (see BLOCKWISE_VARIANTS); scaled_mm accepts 0 only
     variant: int = 0
+    # scaled_mm only: operands through tensor descriptors (TMA; where `tma_applies`), and programs per SM
+    # of a persistent grid (0: one program per tile; split-K launches ignore it)
+    tma: bool = False
+    persistent: int = 0
 
 
 _BIG = 1 << 62
@@ -87,13 +100,29 @@ _SM90_SMALL_M: List[Bucket] = [
 #   45.1; 1024x8192x10240: 136.0 vs 151.9, torch 143.9; tune_scaled_mm_prefill_followup.json).
 # - int8: 128x128 / 4 warps / 3 stages on every shape (1024x4096x6144: 51.2 us vs 65.6 for 128x256;
 #   4096x4096x4096 116.3 vs 132.1); 128x256 tied only at 4096x28672x8192 (1691 vs 1681 us).
+# TMA + persistent (benchmarks/tune_scaled_mm_prefill.py TUNE_OUT_NAME=tune_scaled_mm_tma, same six shapes at
+# M = 1024 and 4096, bf16 out, per-token x per-channel + bias, CUDA graphs): operands through tensor
+# descriptors with a persistent grid beat the pointer-loaded tiles above on 11 of 12 int8 and 10 of 12 fp8
+# shapes:
+# - int8 128x128 / 4 warps / 3 stages, 2 programs per SM: 4096x4096x28672 776 us vs 861, 4096x8192x10240
+#   515 vs 584, 4096x14336x4096 364 vs 398, 1024x4096x28672 190 vs 205 (4096x28672x8192 1621 vs 1666;
+#   128x256 / 8 warps / 1 program 1470 there, but 379 vs 351 at M = 1024).
+# - fp8 128x256 / 8 warps / group 16, 1 program per SM: 4096x4096x28672 734 vs 845, 4096x4096x6144 165 vs
+#   184, 1024x4096x28672 190 vs 203; 128x128 / 5 stages, 2 programs per SM where 128x256 leaves the last
+#   wave part-empty: 1024x8192x10240 131 vs 148, 1024x4096x6144 43.7 vs 46.1. At K = 28672 (N = 8192) the
+#   first sweep had them behind (4096 rows: 1424 vs 1346 us), a second one with the order reversed
+#   (tune_scaled_mm_tma_fp8_ab.json) ahead (1387 vs 1463; the same pointer tile timed twice in that run:
+#   1463 and 1463, but 519 and 605 at 4096x8192x10240): within this machine's run-to-run spread.
 CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": _SM90_SMALL_M + [
-        (_BIG, [MMConfig(128, 256, 128, 8, 3, 16), MMConfig(128, 128, 128, 4, 5), MMConfig(128, 256, 128, 8, 3)]),
+        (_BIG, [MMConfig(128, 256, 128, 8, 3, 16, tma=True, persistent=1),
+                MMConfig(128, 128, 128, 4, 5, tma=True, persistent=2),
+                MMConfig(128, 256, 128, 8, 3, 16), MMConfig(128, 128, 128, 4, 5), MMConfig(128, 256, 128, 8, 3)]),
     ],
     # int8 operands: the same small-M rows, their own large-M tile (consulted when the table has this key)
     "sm90_int8": _SM90_SMALL_M + [
-        (_BIG, [MMConfig(128, 128, 128, 4, 3), MMConfig(128, 256, 128, 8, 3)]),
+        (_BIG, [MMConfig(128, 128, 128, 4, 3, tma=True, persistent=2), MMConfig(128, 128, 128, 4, 3),
+                MMConfig(128, 256, 128, 8, 3)]),
     ],
     "default": [
         (16, [MMConfig(16, 64, 128, 4, 3)]),
@@ -223,12 +252,12 @@ def _fp8_upcast_interp(x):
 
 
 @triton.jit
-def _tile_operands(a_ptr, b_ptr, M, N, K_PER_SPLIT, stride_am, stride_ak, stride_bk, stride_bn,
+def _tile_operands(pid, a_ptr, b_ptr, M, N, K_PER_SPLIT, stride_am, stride_ak, stride_bk, stride_bn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """This program's output rows/columns, wrapped operand indices, K start and first operand pointers.
     Wrapped indices: out-of-range rows/columns re-read valid memory and are never stored (no contiguity
     hints on them: at the wrap they are not contiguous)."""
-    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile_coords(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ram = (rm % M).to(tl.int64)
@@ -305,32 +334,49 @@ def _epilogue(
 
 
 @triton.jit
-def _scaled_mm_kernel(
-    a_ptr, b_ptr, out_ptr, ws_ptr,
+def _mm_tile(
+    pid, a_src, b_src, out_ptr, ws_ptr,
     scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
     M, N, K, K_PER_SPLIT,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om,
     IS_FP8: tl.constexpr, SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_COL: tl.constexpr,
     HAS_BIAS: tl.constexpr, AZP_MODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    """One output tile (split `tl.program_id(1)` of its K range). TMA: a_src is a descriptor over a [M, K]
+    (blocks [BLOCK_M, BLOCK_K]) and b_src one over b^T [N, K] (blocks [BLOCK_N, BLOCK_K]); the copy engine
+    zero-fills past M, N and K (no wrapped rows, no K masks)."""
     pid_k = tl.program_id(1)
-    rm, rn, ram, rbn, k_start, a_ptrs, b_ptrs = _tile_operands(
-        a_ptr, b_ptr, M, N, K_PER_SPLIT, stride_am, stride_ak, stride_bk, stride_bn,
-        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     if IS_FP8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        a = _load_operand(a_ptrs, (kk < k_end)[None, :], EVEN_K, IS_FP8, INTERPRET)
-        b = _load_operand(b_ptrs, (kk < k_end)[:, None], EVEN_K, IS_FP8, INTERPRET)
-        acc = _mma(a, b, acc, IS_FP8, INTERPRET)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    if TMA:
+        pid_m, pid_n = _tile_coords(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_start = pid_k * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            a = a_src.load([pid_m * BLOCK_M, k0])
+            b = b_src.load([pid_n * BLOCK_N, k0]).T
+            if IS_FP8 and INTERPRET:
+                a = _fp8_upcast_interp(a)
+                b = _fp8_upcast_interp(b)
+            acc = _mma(a, b, acc, IS_FP8, INTERPRET)
+    else:
+        rm, rn, ram, rbn, k_start, a_ptrs, b_ptrs = _tile_operands(
+            pid, a_src, b_src, M, N, K_PER_SPLIT, stride_am, stride_ak, stride_bk, stride_bn,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            a = _load_operand(a_ptrs, (kk < k_end)[None, :], EVEN_K, IS_FP8, INTERPRET)
+            b = _load_operand(b_ptrs, (kk < k_end)[:, None], EVEN_K, IS_FP8, INTERPRET)
+            acc = _mma(a, b, acc, IS_FP8, INTERPRET)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
 
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     if SPLIT_K == 1:
@@ -343,6 +389,33 @@ def _scaled_mm_kernel(
     else:
         ws = ws_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
         tl.store(ws, acc, mask=mask)
+
+
+@triton.jit
+def _scaled_mm_kernel(
+    a_src, b_src, out_ptr, ws_ptr,
+    scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
+    M, N, K, K_PER_SPLIT,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_om,
+    IS_FP8: tl.constexpr, SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_COL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, AZP_MODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA: tl.constexpr, PERSISTENT: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """A program per output tile (and K split), or (PERSISTENT, no split) a few programs per SM striding
+    over the tiles in one flattened loop, the next tile's loads issued under this tile's epilogue."""
+    if PERSISTENT:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+            _mm_tile(tile, a_src, b_src, out_ptr, ws_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
+                     M, N, K, K_PER_SPLIT, stride_am, stride_ak, stride_bk, stride_bn, stride_om,
+                     IS_FP8, SCALE_A_PER_ROW, SCALE_B_PER_COL, HAS_BIAS, AZP_MODE, SPLIT_K, EVEN_K,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, INTERPRET)
+    else:
+        _mm_tile(tl.program_id(0), a_src, b_src, out_ptr, ws_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr,
+                 azp_ptr, M, N, K, K_PER_SPLIT, stride_am, stride_ak, stride_bk, stride_bn, stride_om,
+                 IS_FP8, SCALE_A_PER_ROW, SCALE_B_PER_COL, HAS_BIAS, AZP_MODE, SPLIT_K, EVEN_K,
+                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, INTERPRET)
 
 
 @triton.jit
@@ -386,7 +459,7 @@ def _blockwise_kernel(
     See BLOCKWISE_VARIANTS for the math and the numerical guarantees."""
     pid_k = tl.program_id(1)
     rm, rn, ram, rbn, k_start, a_ptrs, b_ptrs = _tile_operands(
-        a_ptr, b_ptr, M, N, K_PER_SPLIT, stride_am, stride_ak, stride_bk, stride_bn,
+        tl.program_id(0), a_ptr, b_ptr, M, N, K_PER_SPLIT, stride_am, stride_ak, stride_bk, stride_bn,
         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     sa_ptrs = scale_a_ptr + ram * stride_sam
     if SB_PER_TILE:
@@ -524,6 +597,13 @@ def _effective_split(k: int, cfg: MMConfig, split: int) -> int:
     return max(1, triton.cdiv(k, k_per_split))
 
 
+def tma_applies(a2d: torch.Tensor, b: torch.Tensor) -> bool:
+    """Tensor descriptors need unit inner strides (a K-contiguous a [M, K], b^T [N, K]) and 16-byte aligned
+    base addresses and row strides (one-byte operands: multiples of 16 elements)."""
+    return (TensorDescriptor is not None and a2d.stride(1) == 1 and b.stride(0) == 1
+            and all(t.data_ptr() % 16 == 0 for t in (a2d, b)) and a2d.stride(0) % 16 == 0 and b.stride(1) % 16 == 0)
+
+
 def scaled_mm(
     a2d: torch.Tensor,
     b: torch.Tensor,
@@ -561,13 +641,22 @@ def scaled_mm(
         ws = dummy
         if split > 1:
             ws = torch.empty((split, m, n), dtype=torch.float32 if is_fp8 else torch.int32, device=a2d.device)
-        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        use_tma = cfg.tma and tma_applies(a2d, b)
+        # a TMA config whose operands cannot be described runs as a plain grid (its persistence was measured
+        # with TMA only)
+        persistent = cfg.persistent if split == 1 and (use_tma or not cfg.tma) else 0
+        grid = (min(tiles, persistent * sm_count(a2d.device)) if persistent else tiles, split)
         common = dict(
             SCALE_A_PER_ROW=scale_a.numel() > 1, SCALE_B_PER_COL=scale_b.numel() > 1,
             HAS_BIAS=bias is not None, AZP_MODE=azp_mode, INTERPRET=INTERPRET,
         )
+        a_src, b_src = a2d, b
+        if use_tma:
+            a_src = TensorDescriptor(a2d, [m, k], [a2d.stride(0), 1], [cfg.block_m, cfg.block_k])
+            b_src = TensorDescriptor(b.t(), [n, k], [b.stride(1), 1], [cfg.block_n, cfg.block_k])
         _scaled_mm_kernel[grid](
-            a2d, b, out, ws, scale_a, scale_b,
+            a_src, b_src, out, ws, scale_a, scale_b,
             bias if bias is not None else dummy,
             azp_adj if azp_adj is not None else dummy,
             azp if azp is not None else dummy,
@@ -575,6 +664,7 @@ def scaled_mm(
             a2d.stride(0), a2d.stride(1), b.stride(0), b.stride(1), out.stride(0),
             IS_FP8=is_fp8, SPLIT_K=split, EVEN_K=even_k,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            TMA=use_tma, PERSISTENT=bool(persistent),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
         if split > 1:
