@@ -25,9 +25,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 BUDGET_S = float(os.environ.get("TUNE_BUDGET_S", "240"))
 SHAPES = [(m, k, n) for m in (1, 16) for k, n in ((4096, 6144), (4096, 28672), (14336, 4096))]
-DTYPES = ("fp8", "int8")
-TILES = [(bn, bk, st, split) for bn, bk, st, split in itertools.product((32, 64, 128), (256, 512), (4, 6), (0, 4))
+if os.environ.get("TUNE_SHAPES"):  # e.g. "1:4096:28672,16:8192:10240"
+    SHAPES = [tuple(int(v) for v in t.split(":")) for t in os.environ["TUNE_SHAPES"].split(",")]
+DTYPES = tuple(os.environ.get("TUNE_DTYPES", "fp8,int8").split(","))
+# TUNE_TMA=0,1: each tile with pointer loads and / or tensor descriptors
+TMA = [t == "1" for t in os.environ.get("TUNE_TMA", "0").split(",")]
+TILES = [(bn, bk, st, split, tma)
+         for bn, bk, st, split, tma in itertools.product((32, 64, 128), (256, 512), (4, 6), (0, 4), TMA)
          if bn * bk * st <= 128 * 256 * 4]
+if os.environ.get("TUNE_TILES"):  # e.g. "64:256:4:0:1,32:256:4:0:0" (block_n:block_k:stages:split:tma)
+    TILES = [tuple(int(v) for v in t.split(":")) for t in os.environ["TUNE_TILES"].split(",")]
 
 
 def rowwise_input_sets(dtype: str, m: int, k: int, n: int, count: int):
@@ -99,23 +106,23 @@ def main(argv=None):
                              weight_frac_copy=round(k * n / (shipped_ms * 1e-3) / 1e9 / copy_gbs, 3),
                              vs_peer=round(peer_ms / shipped_ms, 3)))
             print(rows[-1], flush=True)
-            for bn, bk, st, split in TILES:
+            for bn, bk, st, split, tma in TILES:
                 if time.perf_counter() - t0 > BUDGET_S:
                     break
-                cfg = kmm.MMConfig(16, bn, bk, 4, st, split_k=split)
+                cfg = kmm.MMConfig(16, bn, bk, 4, st, split_k=split, tma=bool(tma))
                 try:
                     ms = time_ms(ours(cfg), sets, graph=True, warmup=5, rep=25)
                 except Exception as err:  # noqa: BLE001
                     print(f"{dtype} {m}x{k}x{n} {cfg} failed: {type(err).__name__}", flush=True)
                     continue
-                rows.append(dict(base, cfg=f"bn{bn} bk{bk} s{st} split{split or 'auto'}", us=round(ms * 1e3, 2),
+                rows.append(dict(base, cfg=f"bn{bn} bk{bk} s{st} split{split or 'auto'} tma{int(tma)}", us=round(ms * 1e3, 2),
                                  weight_frac_copy=round(k * n / (ms * 1e-3) / 1e9 / copy_gbs, 3),
                                  vs_peer=round(peer_ms / ms, 3)))
             mine = [r for r in rows if (r["dtype"], r["M"], r["K"], r["N"]) == (dtype, m, k, n)]
             best = min(mine, key=lambda r: r["us"])
             print(f"best {dtype} {m}x{k}x{n}: {best['cfg']} {best['us']} us, {best['vs_peer']}x peer, "
                   f"{best['weight_frac_copy']} of copy [{time.perf_counter() - t0:.0f} s]", flush=True)
-    write_result("tune_scaled_mm_decode", "Decode (M <= 16) tile sweep for scaled_mm (dev)", rows,
+    write_result(os.environ.get("TUNE_OUT_NAME", "tune_scaled_mm_decode"), "Decode (M <= 16) tile sweep for scaled_mm (dev)", rows,
                  extra={"copy_bandwidth_gbs": round(copy_gbs, 1)})
 
 

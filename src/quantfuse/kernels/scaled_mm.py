@@ -83,10 +83,17 @@ Bucket = Union[Tuple[int, List[MMConfig]], Tuple[int, int, List[MMConfig]]]
 # Decode rows from benchmarks/tune_scaled_mm_decode.py on the H100 (fp8 and int8 alike, CUDA graphs, weights
 # rotated past L2): at M = 1 a 64-wide tile, at M = 16 a 32-wide one (4096x6144: 13.6 us vs 16.9; 14336x4096:
 # 28.9 vs 31.6), and 128-wide for N beyond 8192 (4096x28672: 50.4 us vs 55.5).
+# Tensor-descriptor loads at M = 1 and for N up to 16384 (tune_scaled_mm_decode_tma2.json: the six Llama-3 shapes,
+# fp8 and int8, same run; geometric mean over each bucket's shapes against the previous row): M = 1, N <= 8192
+# 32-wide with TMA 0.92x the time (fp8 1x4096x6144 13.9 us vs 17.0); M = 1 and 16, N = 10240 64-wide with TMA
+# 36.8 / 36.7 us vs 40.7 / 42.1 (the 128-wide tile stays for N = 28672: 49.2 vs 50.1 with TMA); M = 16, N <= 8192
+# unchanged (TMA within 1%).
 _SM90_SMALL_M: List[Bucket] = [
-    (1, 8192, [MMConfig(16, 64, 256, 4, 4), MMConfig(16, 32, 256, 4, 4)]),
-    (1, [MMConfig(16, 128, 256, 4, 4), MMConfig(16, 64, 256, 4, 4)]),
+    (1, 8192, [MMConfig(16, 32, 256, 4, 4, tma=True), MMConfig(16, 64, 256, 4, 4), MMConfig(16, 32, 256, 4, 4)]),
+    (1, 16384, [MMConfig(16, 64, 256, 4, 4, tma=True), MMConfig(16, 128, 256, 4, 4)]),
+    (1, [MMConfig(16, 128, 256, 4, 4, tma=True), MMConfig(16, 128, 256, 4, 4), MMConfig(16, 64, 256, 4, 4)]),
     (16, 8192, [MMConfig(16, 32, 256, 4, 4), MMConfig(16, 64, 256, 4, 4), MMConfig(16, 128, 128, 4, 5)]),
+    (16, 16384, [MMConfig(16, 64, 256, 4, 4, tma=True), MMConfig(16, 32, 256, 4, 4)]),
     (16, [MMConfig(16, 128, 256, 4, 4), MMConfig(16, 64, 256, 4, 4)]),
     (64, [MMConfig(64, 64, 256, 4, 4), MMConfig(64, 128, 128, 4, 4), MMConfig(32, 64, 256, 4, 4)]),
     (256, [MMConfig(64, 128, 128, 4, 4), MMConfig(128, 128, 128, 8, 4), MMConfig(64, 256, 128, 8, 3)]),
