@@ -19,7 +19,8 @@ graphs for anyone, full-length sequences with an all-ones attention_mask unless 
   graph_speedup_modeN = the faster of those two / modeN graphed; packed_graph_us / padded_graph_us: the
   varying-length batches with the packing metadata (`pack_mask`, whose nonzero syncs the host) computed
   once per batch outside the graph, as an engine's scheduler would, gather / packed layers / scatter inside;
-  packing_graph_speedup = padded / packed graphed.
+  packing_graph_speedup = padded / packed graphed. mode2_graph_no_pdl_us: mode 2 graphed with the kernels in
+  plain stream order, same run (= mode2_graph_us where the table's `pdl_max_tokens` leaves PDL off anyway).
 
 Whole run: meant to stay under 150 s on one H100 (the torch.compile of each shape dominates; if the compiles
 would exceed COMPILE_BUDGET_S (80 s), the remaining shapes get compile_us = null and the peer is
@@ -42,6 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table, time_ms, write_result  # noqa: E402
 
 from quantfuse.encoder import Int8Encoder, pack_mask  # noqa: E402
+from quantfuse.kernels import encoder as ke  # noqa: E402
+from quantfuse.kernels.configs import arch_key  # noqa: E402
 
 SHAPES = [(1, 128), (8, 128), (32, 128), (128, 128), (32, 384)]
 BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
@@ -52,7 +55,7 @@ COMPILE_BUDGET_S = 80.0
 COLUMNS = ["batch", "seq", "tokens", "hf_us", "compile_us", "mode1_us", "mode2_us", "speedup_mode1",
            "speedup_mode2", "packed_us", "padded_us", "packing_speedup", "hf_graph_us", "compile_graph_us",
            "mode1_graph_us", "mode2_graph_us", "graph_speedup_mode1", "graph_speedup_mode2", "packed_graph_us",
-           "padded_graph_us", "packing_graph_speedup"]
+           "padded_graph_us", "packing_graph_speedup", "mode2_graph_no_pdl_us"]
 
 
 def build_model(cfg_kwargs, device, dtype):
@@ -180,6 +183,16 @@ def main(argv=None) -> None:
             packed_fn(*packs[0])
         packed_g = graphed(packed_fn, packs)
         padded_g = graphed(enc_fn(encoders[1], False), var_sets)
+        # ablation: mode 2 graphed with its kernels launched in plain stream order (no programmatic
+        # dependent launch), the same run
+        dev = torch.device(device)
+        table = ke.ENCODER_CONFIGS[arch_key(dev.type, dev.index)]
+        pdl_was = table["pdl_max_tokens"]
+        table["pdl_max_tokens"] = 0
+        try:
+            m2_nopdl_g = graphed(enc_fn(encoders[2], False), sets) if batch * seq <= pdl_was else m2_g
+        finally:
+            table["pdl_max_tokens"] = pdl_was
 
         rows.append({
             "batch": batch, "seq": seq, "tokens": batch * seq,
@@ -195,6 +208,7 @@ def main(argv=None) -> None:
             "graph_speedup_mode2": _ratio(peer_g, m2_g) if peer_g and m2_g else None,
             "packed_graph_us": _us(packed_g), "padded_graph_us": _us(padded_g),
             "packing_graph_speedup": _ratio(padded_g, packed_g) if packed_g and padded_g else None,
+            "mode2_graph_no_pdl_us": _us(m2_nopdl_g),
         })
         print(rows[-1], f"({time.perf_counter() - t_start:.0f} s)", flush=True)
 

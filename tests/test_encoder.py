@@ -104,6 +104,19 @@ def test_gemm_table_variants_by_epilogue(monkeypatch):
     assert ke._pick_gemm_tile(cpu, 128, 3072, 768, "requant")[5:] == (False, 0)
 
 
+def test_pdl_for_small_token_counts_and_never_interpreted(monkeypatch):
+    # the sm90 table launches with programmatic dependent launch up to pdl_max_tokens; under the interpreter
+    # (no grid dependency control) never, and the kernels then get PDL=False
+    from quantfuse.kernels import _common
+
+    assert ke.INTERPRET and _common.pdl_launch_options(True) == {}
+    assert not ke._pdl(torch.device("cpu"), 1)
+    monkeypatch.setattr(ke, "_table", lambda device: ke.ENCODER_CONFIGS["sm90"])
+    monkeypatch.setattr(ke, "pdl_launch_options", lambda enabled: {"launch_pdl": True} if enabled else {})
+    limit = ke.ENCODER_CONFIGS["sm90"]["pdl_max_tokens"]
+    assert ke._pdl(torch.device("cpu"), limit) and not ke._pdl(torch.device("cpu"), limit + 1)
+
+
 def test_gemm_tma_falls_back_on_unaligned_rows():
     # a row stride that is no multiple of 16 bytes cannot be described: the pointer path runs instead
     a = u.int8(9, 40)[:, :36]

@@ -18,6 +18,32 @@ import triton.language as tl
 # Kernels take `INTERPRET: tl.constexpr` from here so the interpreter-safe twins are chosen at trace time.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+try:  # grid dependency control (programmatic dependent launch, sm90+; Triton >= 3.4)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    PDL_AVAILABLE = True
+except ImportError:  # pragma: no cover -- older Triton: kernels launch in plain stream order
+    gdc_launch_dependents = gdc_wait = None
+    PDL_AVAILABLE = False
+
+
+def pdl_launch_options(enabled: bool) -> dict:
+    """Launch keywords for programmatic dependent launch: `launch_pdl` where asked for, available and not
+    under the interpreter (which has no grid dependency control); empty otherwise."""
+    return {"launch_pdl": True} if enabled and PDL_AVAILABLE and not INTERPRET else {}
+
+
+@triton.jit
+def grid_dependency_sync(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL, launched with `launch_pdl`): wait until the previous kernel in
+    the stream has finished and its writes are visible, then let the next kernel launch. Called before the
+    kernel's first global load or store, so only launch latency and index arithmetic overlap the previous
+    kernel's tail: no read of its output and no write into memory it may still read (a buffer the caching
+    allocator handed on) can race. Without PDL (and under the interpreter, PDL False) nothing is emitted."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
 FP8_MAX = 448.0
 INT8_MAX = 127.0
 

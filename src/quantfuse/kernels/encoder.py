@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, exp2_approx, rcp_approx, to_int8_sat
+from ._common import INTERPRET, exp2_approx, grid_dependency_sync, pdl_launch_options, rcp_approx, to_int8_sat
 from .configs import arch_key, sm_count
 
 try:  # host-side tensor descriptors (Triton >= 3.4)
@@ -117,6 +117,12 @@ ENCODER_CONFIGS = {
         # FC1's GELU through the branch-free A&S 7.1.26 erfc (see _gelu) instead of libdevice's erff: the whole
         # encoder 6-7% faster from 4096 tokens up (bench_encoder.py's mode1_graph_libdevice_gelu_us column)
         "fast_gelu": True,
+        # programmatic dependent launch (each kernel launches while the previous one drains and waits for it
+        # before its first memory access, `grid_dependency_sync`) up to this many tokens. bench_encoder's
+        # same-run ablation (mode 2, CUDA graphs, PDL on every kernel vs none): 1x128 418 us vs 481, but 8x128
+        # 712 vs 650, 16384 tokens 4760 vs 4620, 32x384 4579 vs 4410 (4096: 1380 both): early-launched
+        # programs waiting on SMs the previous kernel still holds skew where one-wave grids land
+        "pdl_max_tokens": 256,
     },
     "default": {
         "gemm": [
@@ -131,6 +137,7 @@ ENCODER_CONFIGS = {
         "layernorm_reciprocal": False,
         "reciprocal_requant": False,
         "fast_gelu": True,
+        "pdl_max_tokens": 0,
     },
 }
 
@@ -139,6 +146,12 @@ _EPILOGUES = {"residual": 0, "requant": 1, "qkv": 2}
 
 def _table(device: torch.device) -> dict:
     return ENCODER_CONFIGS[arch_key(device.type, device.index)]
+
+
+def _pdl(device: torch.device, tokens: int) -> bool:
+    """Launch an encoder kernel with programmatic dependent launch: up to the table's `pdl_max_tokens`, where
+    Triton has it (never under the interpreter)."""
+    return tokens <= _table(device)["pdl_max_tokens"] and bool(pdl_launch_options(True))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -316,10 +329,11 @@ def _int8_gemm_kernel(
     COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr, RECIPROCAL: tl.constexpr,
     ALIGNED_QKV: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FAST_GELU: tl.constexpr, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One output tile per program, or (PERSISTENT) a grid of a few programs per SM striding over the tiles
     in one flattened loop, so the compiler can issue the next tile's loads under this tile's epilogue."""
+    grid_dependency_sync(PDL)
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
@@ -444,6 +458,7 @@ def int8_gemm(
         res_mode = 1 if residual.dtype == torch.float16 else 2
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     grid = (min(tiles, int(persistent) * sm_count(dev)) if persistent else tiles,)
+    pdl = _pdl(dev, m)
     a_src, w_src = a, w
     if use_tma:
         a_src = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk])
@@ -460,7 +475,8 @@ def int8_gemm(
         ALIGNED_QKV=code == 2 and hidden % bn == 0 and (bn % head_dim == 0 or head_dim % bn == 0),
         EVEN_K=(k % bk == 0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FAST_GELU=bool(fast_gelu) and gelu, TMA=use_tma,
-        PERSISTENT=bool(persistent), INTERPRET=INTERPRET, num_warps=warps, num_stages=stages,
+        PERSISTENT=bool(persistent), PDL=pdl, INTERPRET=INTERPRET, num_warps=warps, num_stages=stages,
+        **pdl_launch_options(pdl),
     )
     if code == 2:
         return out, vt
@@ -499,7 +515,8 @@ def _int8_attention_kernel(
     T, k_plane, stride_vt, stride_om,
     score_scale_log2, inv_p_scale, ctx_scale, out_scale,
     HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr, ONE_PASS: tl.constexpr, ALIGNED: tl.constexpr,
-    ALIGN_DOWN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    ALIGN_DOWN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """ONE_PASS (BLOCK_N >= the longest sequence): the block's whole score rows at once, so the row max and
     the normaliser are exact reductions and each score is computed and exponentiated once; otherwise two
@@ -511,6 +528,7 @@ def _int8_attention_kernel(
     p = 0). Either way V^T's key runs and their masks are 16-byte aligned, so its tiles load as 16-byte
     asynchronous copies pipelined with the MMAs instead of one synchronous byte load per key (offline sm90
     SASS: LDGSTS.128 instead of LDG.U8 + STS.U8)."""
+    grid_dependency_sync(PDL)
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -648,8 +666,8 @@ def int8_attention(
         score_scale_log2, 1.0 / p_scale, p_scale * v_scale, out_scale,
         HEAD_DIM=head_dim, HAS_MASK=key_mask is not None, ONE_PASS=one_pass,
         ALIGNED=aligned, ALIGN_DOWN=align_down,
-        BLOCK_M=bm, BLOCK_N=bn, INTERPRET=INTERPRET,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_M=bm, BLOCK_N=bn, PDL=_pdl(qk.device, t), INTERPRET=INTERPRET,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_options(_pdl(qk.device, t)),
     )
     return out
 
@@ -675,10 +693,12 @@ def _layernorm_quant_kernel(
     ids_ptr, types_ptr, positions_ptr, type_emb_ptr, pos_emb_ptr, n_word, n_type, n_pos,
     EMBED: tl.constexpr, WRITE_FP16: tl.constexpr, WRITE_INT8: tl.constexpr, DEQUANT_FP16: tl.constexpr,
     COLUMN_SCALE: tl.constexpr,
-    RECIPROCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    RECIPROCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """EMBED: y is the fp16 rounding of word[ids] + pos[positions] + type[types] summed in float32 (y_ptr the
     word table), the embedding sum gathered here instead of in three torch gathers, adds and casts."""
+    grid_dependency_sync(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -761,6 +781,7 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
         y.shape[0], type_emb.shape[0], pos_emb.shape[0],
         EMBED=embed is not None, WRITE_FP16=write_fp16, WRITE_INT8=out_scale is not None,
         DEQUANT_FP16=bool(dequant_fp16), COLUMN_SCALE=column,
-        RECIPROCAL=bool(reciprocal), ROWS=rows, BLOCK_N=block_n, INTERPRET=INTERPRET, num_warps=warps,
+        RECIPROCAL=bool(reciprocal), ROWS=rows, BLOCK_N=block_n, PDL=_pdl(y.device, m), INTERPRET=INTERPRET,
+        num_warps=warps, **pdl_launch_options(_pdl(y.device, m)),
     )
     return out16, out8
