@@ -7,7 +7,9 @@ torch._int_mm + the epilogue in torch), the shipped config, and candidates block
 mma.sync) x block_k {256, 512} x stages {4, 6} x split-K {automatic, 4}, all under CUDA
 graphs with inputs rotated past L2 (common.time_ms). Reports the weight-streaming bandwidth (bytes of b /
 time) against the copy bandwidth measured in the same run. Stops at TUNE_BUDGET_S (default 240 s) and
-writes tune_scaled_mm_decode.json. `--dry-run` lists the candidates.
+writes tune_scaled_mm_decode.json (TUNE_OUT_NAME overrides the name). `--dry-run` lists the candidates.
+Narrowing: TUNE_SHAPES=1:4096:28672,... (M:K:N), TUNE_DTYPES=fp8, TUNE_TMA=0,1 (each tile with pointer loads
+and / or tensor descriptors), TUNE_TILES=64:256:4:0:1,... (block_n:block_k:stages:split:tma).
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_scaled_mm_decode.py
 """
 
@@ -115,14 +117,16 @@ def main(argv=None):
                 except Exception as err:  # noqa: BLE001
                     print(f"{dtype} {m}x{k}x{n} {cfg} failed: {type(err).__name__}", flush=True)
                     continue
-                rows.append(dict(base, cfg=f"bn{bn} bk{bk} s{st} split{split or 'auto'} tma{int(tma)}", us=round(ms * 1e3, 2),
+                name = f"bn{bn} bk{bk} s{st} split{split or 'auto'} tma{int(tma)}"
+                rows.append(dict(base, cfg=name, us=round(ms * 1e3, 2),
                                  weight_frac_copy=round(k * n / (ms * 1e-3) / 1e9 / copy_gbs, 3),
                                  vs_peer=round(peer_ms / ms, 3)))
             mine = [r for r in rows if (r["dtype"], r["M"], r["K"], r["N"]) == (dtype, m, k, n)]
             best = min(mine, key=lambda r: r["us"])
             print(f"best {dtype} {m}x{k}x{n}: {best['cfg']} {best['us']} us, {best['vs_peer']}x peer, "
                   f"{best['weight_frac_copy']} of copy [{time.perf_counter() - t0:.0f} s]", flush=True)
-    write_result(os.environ.get("TUNE_OUT_NAME", "tune_scaled_mm_decode"), "Decode (M <= 16) tile sweep for scaled_mm (dev)", rows,
+    write_result(os.environ.get("TUNE_OUT_NAME", "tune_scaled_mm_decode"),
+                 "Decode (M <= 16) tile sweep for scaled_mm (dev)", rows,
                  extra={"copy_bandwidth_gbs": round(copy_gbs, 1)})
 
 

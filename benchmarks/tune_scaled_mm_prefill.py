@@ -28,7 +28,7 @@ if os.environ.get("TUNE_KN"):  # e.g. "4096:6144,8192:10240"
     KN = [tuple(int(v) for v in kn.split(":")) for kn in os.environ["TUNE_KN"].split(",")]
 MS = tuple(int(v) for v in os.environ.get("TUNE_MS", "1024,4096").split(","))
 DTYPES = tuple(os.environ.get("TUNE_DTYPES", "fp8,int8").split(","))
-# (block_m, block_n, block_k, warps, stages, group_m)
+# (block_m, block_n, block_k, warps, stages, group_m[, tma[, persistent programs per SM]])
 TILES = [(128, 256, 128, 8, 3, 8), (128, 128, 128, 8, 4, 8), (128, 128, 128, 4, 3, 8), (256, 128, 128, 8, 3, 8),
          (128, 256, 64, 8, 4, 8), (64, 256, 128, 4, 3, 8), (128, 128, 256, 8, 3, 8), (128, 256, 128, 8, 3, 16)]
 if os.environ.get("TUNE_TILES"):  # e.g. "128,128,128,8,5,8;128,128,64,4,5,8"
@@ -87,14 +87,15 @@ def main(argv=None):
                     break
                 # optional 7th / 8th fields: tensor-descriptor operands, persistent programs per SM
                 bm, bn, bk, w, st, gm = tile[:6]
-                tma, persistent = (bool(tile[6]), tile[7]) if len(tile) >= 8 else (False, 0)
+                tma = bool(tile[6]) if len(tile) > 6 else False
+                persistent = tile[7] if len(tile) > 7 else 0
                 cfg = kmm.MMConfig(bm, bn, bk, w, st, gm, tma=tma, persistent=persistent)
                 try:
                     ms = time_ms(ours(cfg), sets, graph=True, warmup=5, rep=25)
                 except Exception as err:  # noqa: BLE001 -- out of resources etc.
                     print(f"{dtype} {m}x{k}x{n} {cfg} failed: {type(err).__name__}", flush=True)
                     continue
-                add(f"{bm}x{bn}x{bk} w{w} s{st} g{gm}" + (f" tma{int(tma)} p{persistent}" if len(tile) >= 8 else ""),
+                add(f"{bm}x{bn}x{bk} w{w} s{st} g{gm}" + (f" tma{int(tma)} p{persistent}" if len(tile) > 6 else ""),
                     ms)
             mine = [r for r in rows if (r["dtype"], r["M"], r["K"], r["N"]) == (dtype, m, k, n)]
             best = min(mine, key=lambda r: r["us"])

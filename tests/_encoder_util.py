@@ -79,6 +79,18 @@ def gemm_case(kind, m, n, k, device, heads=2, residual=None, column=False, confi
     return out, ref
 
 
+def assert_gemm_close(kind, out, ref, m, tol=1e-3):
+    """A `gemm_case` result against its reference: int8 codes within one code ("qkv": Q|K and the first m
+    columns of V^T, whose rows are padded past the tokens; "requant"), fp16 within `tol` ("residual")."""
+    if kind == "qkv":
+        assert_int8_close(out[0], ref[0])
+        assert_int8_close(out[1][:, :, :m], ref[1][:, :, :m])
+    elif kind == "requant":
+        assert_int8_close(out, ref)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
 def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=False, config=None, aligned=False,
                    vt_pad16=False):
     """Packed (or padded to max length with a key mask) attention through kernel and reference; config: a
@@ -104,10 +116,10 @@ def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=Fa
         key_mask = torch.ones(t, dtype=torch.int8, device=device) if key_mask is None else key_mask
         key_mask[masked_keys] = 0
     qk = int8(2, heads, t, head_dim, device=device)
-    # an odd V^T row length unless aligned (then the next multiple of 16 past t, plus one spare block)
     if vt_pad16:
         vt = int8(heads, head_dim, max(16, -(-t // 16) * 16), device=device)
     else:
+        # an odd V^T row length unless aligned (then the next multiple of 16 past t, plus one spare block)
         vt = torch.zeros(heads, head_dim, -(-t // 16) * 16 + 16 if aligned else t + 3, dtype=torch.int8,
                          device=device)
         vt[:, :, :t] = int8(heads, head_dim, t, device=device)

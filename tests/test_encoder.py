@@ -75,7 +75,7 @@ def test_gemm_qkv_store_paths(heads, head_dim, block_n):
 @pytest.mark.parametrize("variant", [(1, 0), (0, 2), (1, 2)], ids=["tma", "persistent", "tma_persistent"])
 @pytest.mark.parametrize("kind,residual", [("qkv", None), ("requant", None), ("residual", "fp16"),
                                            ("residual", "int8")])
-@pytest.mark.parametrize("m,k", [(1, 64), (37, 96), (70, 48)])  # K 96 / 48: the last K block zero-filled
+@pytest.mark.parametrize("m,k", [(1, 64), (37, 96), (70, 48)])  # K 48: the last K block zero-filled
 def test_gemm_tma_persistent_variants(variant, kind, residual, m, k):
     # tensor-descriptor loads (zero fill past M and K instead of wrapped rows and masks) and the
     # persistent grid (2 programs per SM: 8 in the interpreter, fewer than the tiles of the larger cases)
@@ -83,13 +83,7 @@ def test_gemm_tma_persistent_variants(variant, kind, residual, m, k):
     n = 3 * 64 if kind == "qkv" else 96
     out, ref = u.gemm_case(kind, m, n, k, DEV, heads=2, residual=residual,
                            config=(16, 32, 32, 4, 2, tma, persistent))
-    if kind == "qkv":
-        u.assert_int8_close(out[0], ref[0])
-        u.assert_int8_close(out[1][:, :, :m], ref[1][:, :, :m])
-    elif kind == "requant":
-        u.assert_int8_close(out, ref)
-    else:
-        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-3, atol=1e-3)
+    u.assert_gemm_close(kind, out, ref, m)
 
 
 def test_gemm_table_variants_by_epilogue(monkeypatch):
@@ -105,28 +99,40 @@ def test_gemm_table_variants_by_epilogue(monkeypatch):
 
 
 def test_pdl_for_small_token_counts_and_never_interpreted(monkeypatch):
-    # the sm90 table launches with programmatic dependent launch up to pdl_max_tokens; under the interpreter
-    # (no grid dependency control) never, and the kernels then get PDL=False
+    # the sm90 table launches with programmatic dependent launch from 1 to pdl_max_tokens tokens; under the
+    # interpreter (no grid dependency control) never, and the kernels get PDL=False
     from quantfuse.kernels import _common
 
     assert ke.INTERPRET and _common.pdl_launch_options(True) == {}
-    assert not ke._pdl(torch.device("cpu"), 1)
+    spy = KernelSpy(ke._int8_gemm_kernel)
+    monkeypatch.setattr(ke, "_int8_gemm_kernel", spy)
+    u.gemm_case("residual", 5, 32, 32, DEV, residual="fp16")
+    assert spy.calls[-1]["PDL"] is False and "launch_pdl" not in spy.calls[-1]
     monkeypatch.setattr(ke, "_table", lambda device: ke.ENCODER_CONFIGS["sm90"])
-    monkeypatch.setattr(ke, "pdl_launch_options", lambda enabled: {"launch_pdl": True} if enabled else {})
+    monkeypatch.setattr(ke, "pdl_supported", lambda: True)
     limit = ke.ENCODER_CONFIGS["sm90"]["pdl_max_tokens"]
-    assert ke._pdl(torch.device("cpu"), limit) and not ke._pdl(torch.device("cpu"), limit + 1)
+    cpu = torch.device("cpu")
+    assert ke._pdl(cpu, 1) and ke._pdl(cpu, limit) and not ke._pdl(cpu, limit + 1) and not ke._pdl(cpu, 0)
 
 
-def test_gemm_tma_falls_back_on_unaligned_rows():
-    # a row stride that is no multiple of 16 bytes cannot be described: the pointer path runs instead
+def test_gemm_tma_falls_back_on_unaligned_rows(monkeypatch):
+    # a row stride (or a base address) that is not 16-byte aligned cannot be described: the pointer path
+    # runs instead, and without the persistent grid that was measured with TMA only
+    assert ke.describable(u.int8(9, 48)) and not ke.describable(u.int8(9, 40)[:, :36])
+    assert not ke.describable(u.int8(9 * 48 + 1)[1:].view(9, 48))
+    spy = KernelSpy(ke._int8_gemm_kernel)
+    monkeypatch.setattr(ke, "_int8_gemm_kernel", spy)
     a = u.int8(9, 40)[:, :36]
-    assert not ke.tma_applies(a)
     w = u.int8(32, 36)
     w_scale, bias = torch.rand(32) * 0.01, torch.randn(32)
     ref = enc.reference_int8_gemm(a, w, 0.02, w_scale, bias, "residual")
     with ops.backend("triton"):
-        out = ke.int8_gemm(a, w, 0.02, w_scale, bias, "residual", config=(16, 32, 32, 4, 2, 1, 0))
+        out = ke.int8_gemm(a, w, 0.02, w_scale, bias, "residual", config=(16, 32, 32, 4, 2, 1, 2))
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-3, atol=1e-3)
+    call = spy.calls.pop()
+    assert (call["TMA"], call["PERSISTENT"], call["grid"]) == (False, False, (1,))
+    with pytest.raises(ValueError, match="config"):
+        ke.int8_gemm(a, w, 0.02, w_scale, bias, "residual", config=(16, 32, 32, 4, 2, 1))
 
 
 @triton.jit

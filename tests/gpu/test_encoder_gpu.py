@@ -26,13 +26,7 @@ DEV = "cuda"
 def test_gemm_epilogues_full_size(m, kind, residual):
     n, k = {"qkv": (2304, 768), "requant": (3072, 768), "residual": (768, 3072)}[kind]
     out, ref = u.gemm_case(kind, m, n, k, DEV, heads=12, residual=residual)
-    if kind == "qkv":
-        u.assert_int8_close(out[0], ref[0])
-        u.assert_int8_close(out[1][:, :, :m], ref[1][:, :, :m])
-    elif kind == "requant":
-        u.assert_int8_close(out, ref)
-    else:
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-3, atol=2e-3)
+    u.assert_gemm_close(kind, out, ref, m, tol=2e-3)
 
 
 @pytest.mark.parametrize("variant", [(1, 0), (0, 1), (1, 1), (1, 2)],
@@ -44,13 +38,7 @@ def test_gemm_tma_persistent_full_size(variant, m, kind, residual):
     # tensor-descriptor loads and persistent grids on the 128x128x128 tile, at BERT-base widths
     n, k = {"qkv": (2304, 768), "requant": (3072, 768), "residual": (768, 3072)}[kind]
     out, ref = u.gemm_case(kind, m, n, k, DEV, heads=12, residual=residual, config=(128, 128, 128, 4, 3) + variant)
-    if kind == "qkv":
-        u.assert_int8_close(out[0], ref[0])
-        u.assert_int8_close(out[1][:, :, :m], ref[1][:, :, :m])
-    elif kind == "requant":
-        u.assert_int8_close(out, ref)
-    else:
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-3, atol=2e-3)
+    u.assert_gemm_close(kind, out, ref, m, tol=2e-3)
 
 
 @pytest.mark.parametrize("m", [1, 31, 4096 + 7])

@@ -133,11 +133,12 @@ def test_zero_point_epilogues_exact_int32(m, k, n):
 
 @pytest.mark.parametrize("variant", [(True, 0), (True, 2), (False, 2)], ids=["tma", "tma_persistent", "persistent"])
 @pytest.mark.parametrize("tile", [(128, 128, 128, 4, 3, 8), (128, 256, 128, 8, 3, 16)], ids=["128x128", "128x256"])
-@pytest.mark.parametrize("m,k,n", [(1024, 4096, 6144), (4096 + 17, 3420, 1280), (300, 971, 1024)])
+@pytest.mark.parametrize("m,k,n", [(1024, 4096, 6144), (4096 + 17, 3424, 1280), (300, 971, 1024)])
 @pytest.mark.parametrize("dtype", [INT8, FP8])
 def test_tma_and_persistent_variants(variant, tile, m, k, n, dtype):
-    # tensor-descriptor operands and persistent grids at full size, unaligned K (971: pointer loads, the
-    # row stride is no multiple of 16) and a partial last row tile included
+    # tensor-descriptor operands and persistent grids at full size: a partial last row tile and a K tail
+    # (3424 = 26.75 K steps) through TMA, and unaligned K (971: pointer loads, the row stride is no multiple
+    # of 16)
     a, b = _operands(m, k, n, dtype)
     sa, sb = _scales(m, n)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)

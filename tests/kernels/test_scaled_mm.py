@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import quantfuse as qf
 from quantfuse import reference as ref
 from quantfuse.kernels import scaled_mm as kmm
+from tests._util import KernelSpy
 
 INT8, FP8 = torch.int8, torch.float8_e4m3fn
 OUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -259,17 +260,8 @@ def test_tma_and_persistent_variants(tma, persistent, split_k, m, n, k, dtype, e
     """Tensor-descriptor operands (zero fill past M, N and K instead of wrapped rows and K masks) and the
     persistent grid (2 programs per SM: 8 under the interpreter, fewer than the tiles of the larger cases;
     ignored when K is split): exact int8 against int64, fp8 against the reference."""
-    seen = []
-    real = kmm._scaled_mm_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append((grid, kwargs["TMA"], kwargs["PERSISTENT"]))
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(kmm, "_scaled_mm_kernel", Spy())
+    spy = KernelSpy(kmm._scaled_mm_kernel)
+    monkeypatch.setattr(kmm, "_scaled_mm_kernel", spy)
     a = rand_q((m, k), dtype)
     b = make_b(k, n, dtype, "t")
     azp_adj, azp, corr = make_epilogue(epilogue, a, b)
@@ -277,19 +269,30 @@ def test_tma_and_persistent_variants(tma, persistent, split_k, m, n, k, dtype, e
     cfg = kmm.MMConfig(16, 32, 32, 4, 1, group_m=2, split_k=split_k, tma=tma, persistent=persistent)
     got = kmm.scaled_mm(a, b, sa, sb, torch.float32, bias, azp_adj, azp, config=cfg)
     assert_mm_close(got, ref.scaled_mm(a, b, sa, sb, torch.float32, bias, azp_adj, azp), torch.float32, dtype == FP8)
-    grid, used_tma, used_persistent = seen[0]
-    assert used_tma == tma and used_persistent == (persistent > 0 and grid[1] == 1)
+    call = spy.calls[0]
+    assert call["TMA"] == tma and call["PERSISTENT"] == (persistent > 0 and call["grid"][1] == 1)
     if dtype == INT8:
         exact = kmm.scaled_mm(a, b, torch.ones(1), torch.ones(1), torch.float32, None, azp_adj, azp, config=cfg)
         assert torch.equal(exact, int64_result(a, b, corr).to(torch.float32))
 
 
-def test_tma_needs_k_major_aligned_operands():
-    # row-major b [K, N] (N-contiguous) or a row stride that is no multiple of 16 bytes: pointer loads
+def test_tma_needs_k_major_aligned_operands(monkeypatch):
+    # row-major b [K, N] (N-contiguous), a row stride or a base address off 16 bytes: pointer loads, and the
+    # table's TMA candidates are skipped for them
     a = rand_q((5, 64), INT8)
-    assert kmm.tma_applies(a, make_b(64, 32, INT8, "t"))
+    b = make_b(64, 32, INT8, "t")
+    assert kmm.tma_applies(a, b)
     assert not kmm.tma_applies(a, make_b(64, 32, INT8, "row"))
-    assert not kmm.tma_applies(rand_q((5, 72), INT8)[:, :60], make_b(60, 32, INT8, "t"))
+    b60 = rand_q((32, 64), INT8)[:, :60].t()  # K = 60, rows of b^T 64 apart: describable
+    assert kmm.tma_applies(rand_q((5, 64), INT8)[:, :60], b60)
+    assert not kmm.tma_applies(rand_q((5, 72), INT8)[:, :60], b60)
+    assert not kmm.tma_applies(rand_q((5 * 64 + 1,), INT8)[1:].view(5, 64), b)
+    monkeypatch.setattr(kmm, "arch_key", lambda *args: "sm90")
+    monkeypatch.setattr(kmm, "_autotune_enabled", lambda: False)
+    dev = torch.device("cuda")
+    assert kmm._pick_config(kmm.CONFIGS, 1, 4096, 4096, dev, None, None).tma
+    fallback = kmm._pick_config(kmm.CONFIGS, 1, 4096, 4096, dev, None, None, tma_ok=False)
+    assert not fallback.tma and fallback.block_n == 64  # the pointer-load row measured before
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])

@@ -27,10 +27,54 @@ except ImportError:  # pragma: no cover -- older Triton: kernels launch in plain
     PDL_AVAILABLE = False
 
 
+try:  # host-side tensor descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover -- older Triton: pointer loads only
+    TensorDescriptor = None
+
+
+def describable(*tensors) -> bool:
+    """Whether each 2-D tensor can back a tensor descriptor (TMA): unit inner stride, 16-byte aligned base
+    address and row stride (one-byte elements: a multiple of 16)."""
+    return TensorDescriptor is not None and all(
+        t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+        for t in tensors)
+
+
+def descriptor(t, block) -> "TensorDescriptor":
+    """A tensor descriptor over the 2-D `t` (see `describable`), loading [block[0], block[1]] boxes."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+
+
+def persistent_grid(tiles: int, programs_per_sm: int, sms: int) -> int:
+    """Programs of a persistent launch: programs_per_sm per SM, never more than the tiles; 0 per SM means a
+    program per tile."""
+    return min(tiles, programs_per_sm * sms) if programs_per_sm else tiles
+
+
 def pdl_launch_options(enabled: bool) -> dict:
     """Launch keywords for programmatic dependent launch: `launch_pdl` where asked for, available and not
     under the interpreter (which has no grid dependency control); empty otherwise."""
-    return {"launch_pdl": True} if enabled and PDL_AVAILABLE and not INTERPRET else {}
+    return {"launch_pdl": True} if enabled and pdl_supported() else {}
+
+
+def pdl_supported() -> bool:
+    """Programmatic dependent launch can be asked for: Triton has it and this is not the interpreter."""
+    return PDL_AVAILABLE and not INTERPRET
+
+
+@triton.jit
+def tile_coords(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M consecutive row tiles walk one column band together, so the tiles that run
+    at the same time share A rows and B columns in L2."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    return pid_m, pid_n
 
 
 @triton.jit

@@ -48,13 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, exp2_approx, grid_dependency_sync, pdl_launch_options, rcp_approx, to_int8_sat
+from ._common import (INTERPRET, describable, descriptor, exp2_approx, grid_dependency_sync, pdl_launch_options,
+                      pdl_supported, persistent_grid, rcp_approx, tile_coords, to_int8_sat)
 from .configs import arch_key, sm_count
-
-try:  # host-side tensor descriptors (Triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover -- older Triton: pointer loads only
-    TensorDescriptor = None
 
 # ----------------------------------------------------------------------------------------------------
 # Launch configurations (data, per architecture). GEMM tiles are tried largest first; the first whose
@@ -66,12 +62,12 @@ ENCODER_CONFIGS = {
         # (tma, persistent) -- A and W loaded through tensor descriptors (the copy engine: no per-thread
         # addresses, zero fill past the edges) and programs per SM of a persistent grid whose flattened tile
         # loop issues the next tile's loads under this tile's epilogue (0: a program per tile); an epilogue
-        # not named runs (False, 0). From benchmarks/tune_encoder.py on the H100 (BERT-base GEMMs at 1024, 4096 and 16384 tokens, CUDA
-        # graphs; tune_encoder_gemm_tiles.json): 128x128x128 with 4 warps and 3 stages once the grid fills one
-        # wave (fc2 at 4096 tokens 25.5 us vs 31.2 for 128x64, o 14.5 vs 15.2, qkv at 1024 11.9 vs 12.8; fc1
-        # at 16384 185 us vs 234 for the earlier 8-warp, 4-stage first choice), else 128x64, else 64x64 (o and
-        # fc2 at 1024 tokens: 7.0 and 13.2 us, the best of the sweep). 128x256 tiles are out: compiled for sm90
-        # (Triton's ptxas, offline) their epilogues spill.
+        # not named runs (False, 0). From benchmarks/tune_encoder.py on the H100 (BERT-base GEMMs at 1024,
+        # 4096 and 16384 tokens, CUDA graphs; tune_encoder_gemm_tiles.json): 128x128x128 with 4 warps and 3
+        # stages once the grid fills one wave (fc2 at 4096 tokens 25.5 us vs 31.2 for 128x64, o 14.5 vs 15.2,
+        # qkv at 1024 11.9 vs 12.8; fc1 at 16384 185 us vs 234 for the earlier 8-warp, 4-stage first choice),
+        # else 128x64, else 64x64 (o and fc2 at 1024 tokens: 7.0 and 13.2 us, the best of the sweep). 128x256
+        # tiles are out: compiled for sm90 (Triton's ptxas, offline) their epilogues spill.
         # Variants of the 128x128x128 tile (tune_encoder_tma.json, tune_encoder_qkv_persistent.json, CUDA
         # graphs): QKV with TMA and 2 programs per SM 22.0 us vs 26.4 at 4096 tokens, 67.6 vs 85.0 at 16384
         # (TMA alone 23.4 / 73.8); FC1 + GELU 30.8 vs 34.4 and 111.1 vs 130.4; one program per SM loses
@@ -149,9 +145,9 @@ def _table(device: torch.device) -> dict:
 
 
 def _pdl(device: torch.device, tokens: int) -> bool:
-    """Launch an encoder kernel with programmatic dependent launch: up to the table's `pdl_max_tokens`, where
-    Triton has it (never under the interpreter)."""
-    return tokens <= _table(device)["pdl_max_tokens"] and bool(pdl_launch_options(True))
+    """Launch an encoder kernel with programmatic dependent launch: from 1 up to the table's `pdl_max_tokens`
+    tokens, where Triton has it (never under the interpreter)."""
+    return 0 < tokens <= _table(device)["pdl_max_tokens"] and pdl_supported()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -185,19 +181,6 @@ def _gelu(v, FAST: tl.constexpr, INTERPRET: tl.constexpr):
         return 0.5 * v * tl.where(z < 0.0, erfc, 2.0 - erfc)
     else:
         return 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
-
-
-@triton.jit
-def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grouped tile order: tiles that run together share A rows and W columns in L2."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = tile // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % (GROUP_M * num_n)) % size_m
-    pid_n = (tile % (GROUP_M * num_n)) // size_m
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -264,7 +247,8 @@ def _tile_epilogue(
                 v = v + r.to(tl.float32) * tl.load(res_scale_vec_ptr + rn, mask=n_ok, other=0.0)[None, :]
             else:
                 v = v + r.to(tl.float32) * res_scale
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], v.to(out_ptr.dtype.element_ty),
+                 mask=mask)
     elif EPILOGUE == 1:
         if GELU:
             v = _gelu(v, FAST_GELU, INTERPRET)
@@ -321,14 +305,35 @@ def _tile_epilogue(
 
 
 @triton.jit
+def _gemm_tile(
+    tile, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+    M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt,
+    a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
+    EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
+    COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr, RECIPROCAL: tl.constexpr,
+    ALIGNED_QKV: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FAST_GELU: tl.constexpr, TMA: tl.constexpr,
+    BRANCH_FREE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Output tile `tile` (grouped order): its int32 product and its epilogue."""
+    pid_m, pid_n = tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn, TMA, EVEN_K,
+                    BLOCK_M, BLOCK_N, BLOCK_K)
+    _tile_epilogue(acc, pid_m, pid_n, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+                   M, N, stride_rm, stride_om, stride_vt, a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
+                   EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
+                   ALIGNED_QKV, BLOCK_M, BLOCK_N, FAST_GELU, BRANCH_FREE, INTERPRET)
+
+
+@triton.jit
 def _int8_gemm_kernel(
     a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
     M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt,
     a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
     EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
     COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr, RECIPROCAL: tl.constexpr,
-    ALIGNED_QKV: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, FAST_GELU: tl.constexpr, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+    ALIGNED_QKV: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FAST_GELU: tl.constexpr, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
     PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One output tile per program, or (PERSISTENT) a grid of a few programs per SM striding over the tiles
@@ -337,26 +342,17 @@ def _int8_gemm_kernel(
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn,
-                            TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-            _tile_epilogue(acc, pid_m, pid_n, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
-                           M, N, stride_rm, stride_om, stride_vt, a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
-                           EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
-                           ALIGNED_QKV, BLOCK_M, BLOCK_N, FAST_GELU, True, INTERPRET)
-    else:
-        pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn,
-                        TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-        _tile_epilogue(acc, pid_m, pid_n, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
-                       M, N, stride_rm, stride_om, stride_vt, a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
+            _gemm_tile(tile, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+                       M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt,
+                       a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
                        EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
-                       ALIGNED_QKV, BLOCK_M, BLOCK_N, FAST_GELU, False, INTERPRET)
-
-
-def tma_applies(*tensors: torch.Tensor) -> bool:
-    """Tensor descriptors need 16-byte aligned base addresses and row strides (int8: K % 16 == 0)."""
-    return TensorDescriptor is not None and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in tensors)
+                       ALIGNED_QKV, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FAST_GELU, TMA, True, INTERPRET)
+    else:
+        _gemm_tile(tl.program_id(0), a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+                   M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt,
+                   a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
+                   EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
+                   ALIGNED_QKV, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FAST_GELU, TMA, False, INTERPRET)
 
 
 def _pick_gemm_tile(device: torch.device, m: int, n: int, k: int, epilogue: str):
@@ -396,7 +392,7 @@ def int8_gemm(
 
     config (block_m, block_n, block_k, num_warps, num_stages[, tma, persistent]), reciprocal and fast_gelu
     override the table (for benchmarks/tune_encoder.py). tma: load A and W through tensor descriptors (the
-    Hopper copy engine) where `tma_applies`; persistent: programs per SM of a persistent grid (0: one
+    Hopper copy engine) where the operands are `describable`; persistent: programs per SM of a persistent grid (0: one
     program per tile).
 
     out_scale: float32 [1] (per tensor) or [N] (per output column: "qkv", and "requant" when the consumer
@@ -434,8 +430,14 @@ def int8_gemm(
     dev = a.device
     tile = tuple(config) if config is not None else _pick_gemm_tile(dev, m, n, k, epilogue)
     bm, bn, bk, warps, stages = tile[:5]
-    use_tma, persistent = tile[5:7] if len(tile) >= 7 else (False, 0)
-    use_tma = bool(use_tma) and tma_applies(a, w)
+    if len(tile) not in (5, 7):
+        raise ValueError(f"config: expected (block_m, block_n, block_k, num_warps, num_stages[, tma, persistent]), "
+                         f"got {config!r}")
+    want_tma, persistent = tile[5:7] if len(tile) == 7 else (False, 0)
+    use_tma = bool(want_tma) and describable(a, w)
+    # a TMA tile whose operands cannot be described runs as a plain grid (its persistence was measured with
+    # TMA only)
+    persistent = persistent if use_tma or not want_tma else 0
     if reciprocal is None:
         reciprocal = _table(dev)["reciprocal_requant"]
     if fast_gelu is None:
@@ -456,13 +458,9 @@ def int8_gemm(
     if residual is not None:
         res = residual
         res_mode = 1 if residual.dtype == torch.float16 else 2
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    grid = (min(tiles, int(persistent) * sm_count(dev)) if persistent else tiles,)
+    grid = (persistent_grid(triton.cdiv(m, bm) * triton.cdiv(n, bn), int(persistent), sm_count(dev)),)
     pdl = _pdl(dev, m)
-    a_src, w_src = a, w
-    if use_tma:
-        a_src = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk])
-        w_src = TensorDescriptor(w, list(w.shape), list(w.stride()), [bn, bk])
+    a_src, w_src = (descriptor(a, (bm, bk)), descriptor(w, (bn, bk))) if use_tma else (a, w)
     _int8_gemm_kernel[grid](
         a_src, w_src, bias, w_scale, out_scale if out_scale is not None else w_scale, res, out, vt,
         m, n, k, a.stride(0), w.stride(0), res.stride(0) if res.dim() == 2 else 0,
@@ -491,7 +489,7 @@ def _masked_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen, score_scale_
                    HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
     """Scores of the query block against key columns n0 .. n0 + BLOCK_N - 1 counted from `kstart`, (Q_q .
     K_q^T) times the scale (log2 units), -inf outside the sequence (columns [lead, klen)) or masked out;
-    with the key columns and the columns that were loaded (< klen)."""
+    with the key columns."""
     d = tl.arange(0, HEAD_DIM)
     cols = n0 + tl.arange(0, BLOCK_N)
     in_k = cols < klen
@@ -525,9 +523,9 @@ def _int8_attention_kernel(
     Keys are walked from `kstart`: the sequence start (ALIGNED, or neither flag) or (ALIGN_DOWN) the start
     rounded down to a multiple of 16, the `lead` = start % 16 keys before it (the previous sequence's) masked
     out, and V^T read up to a multiple of 16 columns (V^T rows are padded to 16 columns; the extra keys have
-    p = 0). Either way V^T's key runs and their masks are 16-byte aligned, so its tiles load as 16-byte
+    p = 0). With either flag V^T's key runs and their masks are 16-byte aligned, so its tiles load as 16-byte
     asynchronous copies pipelined with the MMAs instead of one synchronous byte load per key (offline sm90
-    SASS: LDGSTS.128 instead of LDG.U8 + STS.U8)."""
+    SASS: LDGSTS.128 instead of LDG.U8 + STS.U8); with neither (V^T rows not padded to 16) byte loads."""
     grid_dependency_sync(PDL)
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -538,20 +536,15 @@ def _int8_attention_kernel(
         # every sequence starts and ends on a multiple of 16 tokens
         start = tl.multiple_of(start, 16)
         length = tl.multiple_of(length, 16)
-        lead = 0
-        kstart = start
-        klen = length
-        vlen = length
-    elif ALIGN_DOWN:
+    lead = 0
+    kstart = start
+    klen = length
+    vlen = length
+    if ALIGN_DOWN:
         lead = start % 16
         kstart = tl.multiple_of(start - lead, 16)
         klen = lead + length
         vlen = tl.multiple_of((klen + 15) // 16 * 16, 16)
-    else:
-        lead = 0
-        kstart = start
-        klen = length
-        vlen = length
     if pid_m * BLOCK_M < length:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, HEAD_DIM)
@@ -641,8 +634,8 @@ def int8_attention(
     uniform batches of a length divisible by 16). Otherwise, where V^T's rows are padded to a multiple of 16
     columns (vt.stride(1) % 16 == 0, as the QKV GEMM writes them) and (one pass) the key block has room for
     15 more keys, each sequence's keys are walked from its start rounded down to a multiple of 16, the keys
-    before the start masked (`align_down`). Both load V^T as aligned 16-byte copies; align_down=False
-    forces byte loads (benchmarks/tune_encoder.py)."""
+    before the start masked (align down). Both load V^T as aligned 16-byte copies; a config with
+    "align_down": False forces byte loads."""
     _, heads, t, head_dim = qk.shape
     padded_vt = vt.stride(1) % 16 == 0
     aligned = bool(aligned_starts) and padded_vt
@@ -660,14 +653,15 @@ def int8_attention(
     batch = cu_seqlens.numel() - 1
     grid = (triton.cdiv(max(max_seqlen, 1), bm), heads, batch)
     score_scale_log2 = q_scale * k_scale / math.sqrt(head_dim) * math.log2(math.e)
+    pdl = _pdl(qk.device, t)
     _int8_attention_kernel[grid](
         qk, vt, out, cu_seqlens, key_mask if key_mask is not None else cu_seqlens,
         t, heads * t * head_dim, vt.stride(1), out.stride(0),
         score_scale_log2, 1.0 / p_scale, p_scale * v_scale, out_scale,
         HEAD_DIM=head_dim, HAS_MASK=key_mask is not None, ONE_PASS=one_pass,
         ALIGNED=aligned, ALIGN_DOWN=align_down,
-        BLOCK_M=bm, BLOCK_N=bn, PDL=_pdl(qk.device, t), INTERPRET=INTERPRET,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_options(_pdl(qk.device, t)),
+        BLOCK_M=bm, BLOCK_N=bn, PDL=pdl, INTERPRET=INTERPRET,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_options(pdl),
     )
     return out
 
@@ -774,6 +768,7 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     reciprocal = table["layernorm_reciprocal"]
     if config is not None:
         rows, warps, reciprocal = config
+    pdl = _pdl(y.device, m)
     _layernorm_quant_kernel[(triton.cdiv(m, rows),)](
         y, gamma, beta, out16 if out16 is not None else y, out8 if out8 is not None else y,
         m, n, y.stride(0), 1.0 if column or out_scale is None else float(out_scale),
@@ -781,7 +776,7 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
         y.shape[0], type_emb.shape[0], pos_emb.shape[0],
         EMBED=embed is not None, WRITE_FP16=write_fp16, WRITE_INT8=out_scale is not None,
         DEQUANT_FP16=bool(dequant_fp16), COLUMN_SCALE=column,
-        RECIPROCAL=bool(reciprocal), ROWS=rows, BLOCK_N=block_n, PDL=_pdl(y.device, m), INTERPRET=INTERPRET,
-        num_warps=warps, **pdl_launch_options(_pdl(y.device, m)),
+        RECIPROCAL=bool(reciprocal), ROWS=rows, BLOCK_N=block_n, PDL=pdl, INTERPRET=INTERPRET,
+        num_warps=warps, **pdl_launch_options(pdl),
     )
     return out16, out8

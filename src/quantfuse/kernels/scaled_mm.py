@@ -14,16 +14,16 @@ Blockwise FP8 (1x128 activation groups, 128x128 weight blocks):
 Design:
 - One tile kernel per family. Tiles are visited in grouped order (GROUP_M row-tiles share a column
   band of b) so the weight band stays in L2 while a moves through it.
-- Rows/columns past M/N are wrapped (index % M) instead of masked, so the tile loads stay unmasked in
-  M and N; only the K tail is masked, and only when K is not a multiple of the K step (EVEN_K).
+- Pointer loads: rows/columns past M/N are wrapped (index % M) instead of masked, so the tile loads stay
+  unmasked in M and N; only the K tail is masked, and only when K is not a multiple of the K step (EVEN_K).
 - Small M (decode) is weight streaming: few output tiles cannot occupy the GPU, so K is split across
   programs (SPLIT_K). Each split writes its raw partial (int32 for int8, exact) to a workspace and a
   second kernel sums the splits and applies the epilogue. Deterministic, no atomics, no memset, so it
   is CUDA-graph safe.
-- Large M (sm90 table): operands through tensor descriptors (TMA: the copy engine moves the tiles, zero fill
-  past M, N and K; `tma_applies`: K-contiguous a and b^T with 16-byte aligned rows, else pointer loads) and a
-  persistent grid of one or two programs per SM whose flattened tile loop issues the next tile's loads under
-  this tile's epilogue (MMConfig.tma / persistent).
+- Tensor descriptors (sm90 table: large M, and M = 1 or N <= 16384 in decode): the copy engine moves the
+  tiles, zero fill past M, N and K (`tma_applies`: K-contiguous a and b^T with 16-byte aligned rows; else the
+  table's pointer-load candidates run); at large M a persistent grid of one or two programs per SM whose
+  flattened tile loop issues the next tile's loads under this tile's epilogue (MMConfig.tma / persistent).
 - Configs come from a table per architecture and M bucket (`CONFIGS`), never from a tuning sweep at
   first call. QUANTFUSE_AUTOTUNE=1 opts in to timing the bucket's candidates once per shape.
 - Under the Triton interpreter, fp8 loads cannot take `other=`; the K tail is then zeroed after the load
@@ -43,13 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cast_to
+from ._common import INTERPRET, cast_to, describable, descriptor, persistent_grid, tile_coords
 from .configs import arch_key, sm_count
-
-try:  # host-side tensor descriptors (Triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover -- older Triton: pointer loads only
-    TensorDescriptor = None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -81,8 +76,8 @@ _BIG = 1 << 62
 Bucket = Union[Tuple[int, List[MMConfig]], Tuple[int, int, List[MMConfig]]]
 
 # Decode rows from benchmarks/tune_scaled_mm_decode.py on the H100 (fp8 and int8 alike, CUDA graphs, weights
-# rotated past L2): at M = 1 a 64-wide tile, at M = 16 a 32-wide one (4096x6144: 13.6 us vs 16.9; 14336x4096:
-# 28.9 vs 31.6), and 128-wide for N beyond 8192 (4096x28672: 50.4 us vs 55.5).
+# rotated past L2), pointer loads: at M = 1 a 64-wide tile, at M = 16 a 32-wide one (4096x6144: 13.6 us vs
+# 16.9; 14336x4096: 28.9 vs 31.6), and 128-wide for N beyond 8192 (4096x28672: 50.4 us vs 55.5).
 # Tensor-descriptor loads at M = 1 and for N up to 16384 (tune_scaled_mm_decode_tma2.json: the six Llama-3 shapes,
 # fp8 and int8, same run; geometric mean over each bucket's shapes against the previous row): M = 1, N <= 8192
 # 32-wide with TMA 0.92x the time (fp8 1x4096x6144 13.9 us vs 17.0); M = 1 and 16, N = 10240 64-wide with TMA
@@ -236,20 +231,6 @@ def choose_split_k(m: int, n: int, k: int, cfg: MMConfig, device: torch.device) 
 # Device code
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _tile_coords(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grouped order: GROUP_M consecutive row-tiles walk one column band together (L2 reuse of b)."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
-
-
-@triton.jit
 def _fp8_upcast_interp(x):
     """Exact fp8-e4m3fn -> float32 under the interpreter, whose own cast reads the NaN codes 0x7f / 0xff
     as +-480 (e4m3 without NaN); every other code it converts exactly."""
@@ -264,7 +245,7 @@ def _tile_operands(pid, a_ptr, b_ptr, M, N, K_PER_SPLIT, stride_am, stride_ak, s
     """This program's output rows/columns, wrapped operand indices, K start and first operand pointers.
     Wrapped indices: out-of-range rows/columns re-read valid memory and are never stored (no contiguity
     hints on them: at the wrap they are not contiguous)."""
-    pid_m, pid_n = _tile_coords(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_coords(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ram = (rm % M).to(tl.int64)
@@ -360,7 +341,7 @@ def _mm_tile(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     if TMA:
-        pid_m, pid_n = _tile_coords(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m, pid_n = tile_coords(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         k_start = pid_k * K_PER_SPLIT
@@ -471,7 +452,7 @@ def _blockwise_kernel(
     sa_ptrs = scale_a_ptr + ram * stride_sam
     if SB_PER_TILE:
         # the tile's first column is a multiple of BLOCK_N, which divides SCALE_BLOCK: one weight block
-        _, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        _, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         sb_ptrs = scale_b_ptr + ((pid_n * BLOCK_N) // SCALE_BLOCK) * stride_sbn
     else:
         # one weight-block scale per column (BLOCK_N may span several 128-wide weight blocks)
@@ -569,10 +550,15 @@ def _table_rows(table, device: torch.device, flavor: Optional[str]) -> List[Buck
 
 
 def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple, run,
-                 flavor: Optional[str] = None) -> MMConfig:
+                 flavor: Optional[str] = None, tma_ok: bool = True) -> MMConfig:
+    """The bucket's first candidate (or, past SPLIT_K_MAX_M, the first with full waves; or with autotuning the
+    fastest). Without describable operands (tma_ok False) the TMA candidates are skipped: their pointer-load
+    fallback is a tile nobody measured for that shape."""
     if device.type != "cuda":
         return _INTERPRET_CONFIG
     candidates = _bucket(_table_rows(table, device, flavor), m, n)
+    if not tma_ok:
+        candidates = [c for c in candidates if not c.tma] or candidates
     if not _autotune_enabled() or len(candidates) == 1:
         if m > SPLIT_K_MAX_M and len(candidates) > 1:
             return _wave_pick(candidates, m, n, sm_count(device))
@@ -605,10 +591,8 @@ def _effective_split(k: int, cfg: MMConfig, split: int) -> int:
 
 
 def tma_applies(a2d: torch.Tensor, b: torch.Tensor) -> bool:
-    """Tensor descriptors need unit inner strides (a K-contiguous a [M, K], b^T [N, K]) and 16-byte aligned
-    base addresses and row strides (one-byte operands: multiples of 16 elements)."""
-    return (TensorDescriptor is not None and a2d.stride(1) == 1 and b.stride(0) == 1
-            and all(t.data_ptr() % 16 == 0 for t in (a2d, b)) and a2d.stride(0) % 16 == 0 and b.stride(1) % 16 == 0)
+    """Tensor descriptors over a [M, K] and b^T [N, K]: both K-contiguous with 16-byte aligned rows."""
+    return describable(a2d, b.t())
 
 
 def scaled_mm(
@@ -639,6 +623,7 @@ def scaled_mm(
         azp_mode = 2
         azp = azp.reshape(-1).contiguous()
     dummy = scale_a
+    tma_ok = tma_applies(a2d, b)
 
     def launch(cfg: MMConfig) -> torch.Tensor:
         if cfg.variant:
@@ -649,19 +634,19 @@ def scaled_mm(
         if split > 1:
             ws = torch.empty((split, m, n), dtype=torch.float32 if is_fp8 else torch.int32, device=a2d.device)
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        use_tma = cfg.tma and tma_applies(a2d, b)
+        use_tma = cfg.tma and tma_ok
         # a TMA config whose operands cannot be described runs as a plain grid (its persistence was measured
         # with TMA only)
         persistent = cfg.persistent if split == 1 and (use_tma or not cfg.tma) else 0
-        grid = (min(tiles, persistent * sm_count(a2d.device)) if persistent else tiles, split)
+        grid = (persistent_grid(tiles, persistent, sm_count(a2d.device)), split)
         common = dict(
             SCALE_A_PER_ROW=scale_a.numel() > 1, SCALE_B_PER_COL=scale_b.numel() > 1,
             HAS_BIAS=bias is not None, AZP_MODE=azp_mode, INTERPRET=INTERPRET,
         )
         a_src, b_src = a2d, b
         if use_tma:
-            a_src = TensorDescriptor(a2d, [m, k], [a2d.stride(0), 1], [cfg.block_m, cfg.block_k])
-            b_src = TensorDescriptor(b.t(), [n, k], [b.stride(1), 1], [cfg.block_n, cfg.block_k])
+            a_src = descriptor(a2d, (cfg.block_m, cfg.block_k))
+            b_src = descriptor(b.t(), (cfg.block_n, cfg.block_k))
         _scaled_mm_kernel[grid](
             a_src, b_src, out, ws, scale_a, scale_b,
             bias if bias is not None else dummy,
@@ -680,7 +665,7 @@ def scaled_mm(
 
     if config is None:
         key = ("mm", a2d.dtype, m, n, k, b.stride(0) == 1, azp_mode, bias is not None, out_dtype)
-        config = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch, None if is_fp8 else "int8")
+        config = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch, None if is_fp8 else "int8", tma_ok)
     return launch(config)
 
 
