@@ -46,6 +46,13 @@ def descriptor(t, block) -> "TensorDescriptor":
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
 
 
+def tma_variant(want_tma: bool, programs_per_sm: int, describable_operands: bool):
+    """(use TMA, persistent programs per SM) for a launch that asked for `want_tma`: operands that cannot be
+    described run pointer loads on a plain grid, since the persistence was measured with TMA only."""
+    use_tma = bool(want_tma) and describable_operands
+    return use_tma, (int(programs_per_sm) if use_tma or not want_tma else 0)
+
+
 def persistent_grid(tiles: int, programs_per_sm: int, sms: int) -> int:
     """Programs of a persistent launch: programs_per_sm per SM, never more than the tiles; 0 per SM means a
     program per tile."""

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from ._common import (INTERPRET, describable, descriptor, exp2_approx, grid_dependency_sync, pdl_launch_options,
-                      pdl_supported, persistent_grid, rcp_approx, tile_coords, to_int8_sat)
+                      pdl_supported, persistent_grid, rcp_approx, tile_coords, tma_variant, to_int8_sat)
 from .configs import arch_key, sm_count
 
 # ----------------------------------------------------------------------------------------------------
@@ -359,14 +359,11 @@ def _pick_gemm_tile(device: torch.device, m: int, n: int, k: int, epilogue: str)
     """(block_m, block_n, block_k, num_warps, num_stages, tma, persistent) from the table."""
     tiles = _table(device)["gemm"]
     sms = sm_count(device)
-    for bm, bn, bk, warps, stages, min_waves, variants in tiles:
-        if bk > max(16, triton.next_power_of_2(k)):
-            continue
-        ctas = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        if ctas >= min_waves * sms:
-            return (bm, bn, bk, warps, stages) + variants.get(epilogue, (False, 0))
-    bm, bn, bk, warps, stages, _, variants = tiles[-1]
-    return (bm, bn, min(bk, max(16, triton.next_power_of_2(k))), warps, stages) + variants.get(epilogue, (False, 0))
+    k_p2 = max(16, triton.next_power_of_2(k))
+    chosen = next((t for t in tiles if t[2] <= k_p2 and triton.cdiv(m, t[0]) * triton.cdiv(n, t[1]) >= t[5] * sms),
+                  tiles[-1])
+    bm, bn, bk, warps, stages, _, variants = chosen
+    return (bm, bn, min(bk, k_p2), warps, stages) + variants.get(epilogue, (False, 0))
 
 
 def int8_gemm(
@@ -392,8 +389,8 @@ def int8_gemm(
 
     config (block_m, block_n, block_k, num_warps, num_stages[, tma, persistent]), reciprocal and fast_gelu
     override the table (for benchmarks/tune_encoder.py). tma: load A and W through tensor descriptors (the
-    Hopper copy engine) where the operands are `describable`; persistent: programs per SM of a persistent grid (0: one
-    program per tile).
+    Hopper copy engine) where the operands are `describable`; persistent: programs per SM of a persistent
+    grid (0: one program per tile).
 
     out_scale: float32 [1] (per tensor) or [N] (per output column: "qkv", and "requant" when the consumer
     of the int8 output folds a per-channel smoothing factor into its weight). residual_scale: a float, or
@@ -429,15 +426,11 @@ def int8_gemm(
     m, k = a.shape
     dev = a.device
     tile = tuple(config) if config is not None else _pick_gemm_tile(dev, m, n, k, epilogue)
-    bm, bn, bk, warps, stages = tile[:5]
     if len(tile) not in (5, 7):
         raise ValueError(f"config: expected (block_m, block_n, block_k, num_warps, num_stages[, tma, persistent]), "
                          f"got {config!r}")
-    want_tma, persistent = tile[5:7] if len(tile) == 7 else (False, 0)
-    use_tma = bool(want_tma) and describable(a, w)
-    # a TMA tile whose operands cannot be described runs as a plain grid (its persistence was measured with
-    # TMA only)
-    persistent = persistent if use_tma or not want_tma else 0
+    bm, bn, bk, warps, stages = tile[:5]
+    use_tma, persistent = tma_variant(*(tile[5:7] if len(tile) == 7 else (False, 0)), describable(a, w))
     if reciprocal is None:
         reciprocal = _table(dev)["reciprocal_requant"]
     if fast_gelu is None:

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cast_to, describable, descriptor, persistent_grid, tile_coords
+from ._common import INTERPRET, cast_to, describable, descriptor, persistent_grid, tile_coords, tma_variant
 from .configs import arch_key, sm_count
 
 
@@ -634,10 +634,7 @@ def scaled_mm(
         if split > 1:
             ws = torch.empty((split, m, n), dtype=torch.float32 if is_fp8 else torch.int32, device=a2d.device)
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        use_tma = cfg.tma and tma_ok
-        # a TMA config whose operands cannot be described runs as a plain grid (its persistence was measured
-        # with TMA only)
-        persistent = cfg.persistent if split == 1 and (use_tma or not cfg.tma) else 0
+        use_tma, persistent = tma_variant(cfg.tma, cfg.persistent if split == 1 else 0, tma_ok)
         grid = (persistent_grid(tiles, persistent, sm_count(a2d.device)), split)
         common = dict(
             SCALE_A_PER_ROW=scale_a.numel() > 1, SCALE_B_PER_COL=scale_b.numel() > 1,
@@ -664,7 +661,7 @@ def scaled_mm(
         return out
 
     if config is None:
-        key = ("mm", a2d.dtype, m, n, k, b.stride(0) == 1, azp_mode, bias is not None, out_dtype)
+        key = ("mm", a2d.dtype, m, n, k, b.stride(0) == 1, tma_ok, azp_mode, bias is not None, out_dtype)
         config = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch, None if is_fp8 else "int8", tma_ok)
     return launch(config)
 
