@@ -19,7 +19,9 @@ import torch
 
 import quantfuse as qf
 from quantfuse import reference as ref
+from quantfuse.kernels import blockwise_wgmma as bw
 from quantfuse.kernels import scaled_mm as kmm
+from tests._util import KernelSpy
 
 pytestmark = pytest.mark.gpu
 
@@ -243,3 +245,101 @@ def test_torch_compile_fullgraph_and_cuda_graph():
     torch.cuda.synchronize()
     for x, y in zip(captured, f(*new)):
         assert torch.equal(x, y)
+
+
+# ---- the Gluon blockwise kernel (kernels/blockwise_wgmma.py): sm90 with describable operands --------------
+needs_wgmma = pytest.mark.skipif(
+    not (bw.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0)), reason="Gluon wgmma kernel: sm90 + Gluon")
+
+
+def _spy_wgmma(monkeypatch):
+    spy = KernelSpy(bw._blockwise_wgmma_kernel)
+    monkeypatch.setattr(bw, "_blockwise_wgmma_kernel", spy)
+    return spy
+
+
+# K steps: 1 (odd, no loop), 2 (one pair), 27 with a K tail (3424 = 26 * 128 + 96), 112; M and N off the tiles
+@needs_wgmma
+@pytest.mark.parametrize("m,k,n", [(257, 128, 256), (300, 256, 384), (1000, 3424, 1000), (513, 14336, 4096), (4096, 4096, 6144)])
+@pytest.mark.parametrize("transposed_scales", [False, True])
+def test_blockwise_wgmma_default(monkeypatch, m, k, n, transposed_scales):
+    spy = _spy_wgmma(monkeypatch)
+    a, b, sa, sb = _block_operands(m, k, n, transposed_scales)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    out32 = qf.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
+    assert len(spy.calls) == 1
+    want = ref.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
+    rel = float((out32 - want).abs().mean() / want.abs().mean())
+    print(f"wgmma blockwise mean rel error {rel:.3g}")
+    assert rel < 1e-3
+    # the tl kernel (variant 2: the same per-step rounding) agrees to the tensor cores' accumulation order
+    tl_out = kmm.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias, kmm.MMConfig(64, 128, 128, 4, 3, variant=2))
+    assert float((out32 - tl_out).abs().mean() / want.abs().mean()) < 1e-4
+    for dt, floor in ((torch.bfloat16, 1e-30), (torch.float16, 2.0**-25)):  # fp16: half its smallest subnormal
+        out = qf.scaled_mm_blockwise(a, b, sa, sb, dt, bias)
+        assert out.dtype == dt
+        assert bool(((out.float() - out32).abs() <= REL[dt] * out32.abs() + floor).all())
+
+
+@needs_wgmma
+@pytest.mark.parametrize("cfg", [bw.WgmmaConfig(128, 128, 8, 4), bw.WgmmaConfig(128, 64, 8, 5), bw.WgmmaConfig(64, 128, 4, 5),
+                                 bw.WgmmaConfig(128, 128, 8, 3, 1)], ids=str)
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (16, 1280, 130), (700, 3424, 1000)])
+def test_blockwise_wgmma_configs(monkeypatch, cfg, m, k, n):
+    spy = _spy_wgmma(monkeypatch)
+    a, b, sa, sb = _block_operands(m, k, n, True)
+    got = kmm.scaled_mm_blockwise(a, b, sa, sb, torch.float32, None, cfg)
+    assert len(spy.calls) == 1
+    want = ref.scaled_mm_blockwise(a, b, sa, sb, torch.float32, None)
+    assert float((got - want).abs().mean() / want.abs().mean()) < 1e-3
+
+
+@needs_wgmma
+def test_blockwise_wgmma_nonfinite_and_zero_rows():
+    m, k, n = 384, 1024, 512
+    a, b, sa, sb = _block_operands(m, k, n, False)
+    a[7] = 0  # an all-zero row: bias only
+    sa[9, 3] = float("nan")  # one NaN scale: that row only
+    sa[11, 0] = float("inf")
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    got = qf.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
+    want = ref.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
+    assert torch.equal(got[7], bias.float())
+    assert bool(torch.isnan(got[9]).all()) and bool(torch.isnan(want[9]).all())
+    assert torch.equal(torch.isfinite(got[11]), torch.isfinite(want[11]))
+    keep = torch.ones(m, dtype=torch.bool, device="cuda")
+    keep[[9, 11]] = False
+    assert torch.isfinite(got[keep]).all()
+    assert float((got[keep] - want[keep]).abs().mean() / want[keep].abs().mean()) < 1e-3
+
+
+@needs_wgmma
+def test_blockwise_wgmma_unaligned_falls_back(monkeypatch):
+    spy = _spy_wgmma(monkeypatch)
+    a, b, sa, sb = _block_operands(512, 3420, 256, False)  # 3420-byte rows: not describable
+    got = qf.scaled_mm_blockwise(a, b, sa, sb, torch.float32)
+    assert spy.calls == []
+    want = ref.scaled_mm_blockwise(a, b, sa, sb, torch.float32)
+    assert float((got - want).abs().mean() / want.abs().mean()) < 1e-3
+    with pytest.raises(ValueError, match="config"):
+        kmm.scaled_mm_blockwise(a, b, sa, sb, torch.float32, None, bw.WgmmaConfig(128, 128, 8, 4))
+
+
+@needs_wgmma
+def test_blockwise_wgmma_cuda_graph_and_compile():
+    m, k, n = 1024, 2048, 1024
+    a, b, sa, sb = _block_operands(m, k, n, True)
+    f = lambda a: qf.scaled_mm_blockwise(a, b, sa, sb, torch.bfloat16)  # noqa: E731
+    eager = f(a)
+    assert torch.equal(torch.compile(f, fullgraph=True)(a), eager)
+    static = a.clone()
+    f(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = f(static)
+    fresh = _block_operands(m, k, n, True)[0]
+    static.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, f(fresh))

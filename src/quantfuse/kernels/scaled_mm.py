@@ -10,6 +10,8 @@ Blockwise FP8 (1x128 activation groups, 128x128 weight blocks):
     out[i, j] = sum_kb (scale_a[i, kb] * scale_b[kb, j // 128]) * dot(a[i, kb-block], b[kb-block, j]) + bias[j]
   How the per-step scales are applied is MMConfig.variant (BLOCKWISE_VARIANTS: two float32 tiles, a rescaled
   single accumulator, one weight scale per tile); the shipped sm90 table uses variant 2, measured fastest.
+  On sm90 past decode sizes, with describable operands, the Gluon kernel of blockwise_wgmma.py runs instead
+  (asynchronous wgmma, each step's partial scaled while the next step's product runs): 1.25-1.4x this one.
 
 Design:
 - One tile kernel per family. Tiles are visited in grouped order (GROUP_M row-tiles share a column
@@ -715,9 +717,18 @@ def scaled_mm_blockwise(
     scale_b: torch.Tensor,
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor],
-    config: Optional[MMConfig] = None,
+    config: Optional[Union[MMConfig, "WgmmaConfig"]] = None,
 ) -> torch.Tensor:
-    """Block-scaled fp8: scale_a [M, ceil(K/128)] (any strides), scale_b [ceil(K/128), ceil(N/128)]."""
+    """Block-scaled fp8: scale_a [M, ceil(K/128)] (any strides), scale_b [ceil(K/128), ceil(N/128)].
+    On sm90 with describable operands and M past the decode sizes the Gluon kernel runs
+    (blockwise_wgmma: asynchronous wgmma with lagged promotion; `config` may be a WgmmaConfig for it),
+    elsewhere this module's `tl` kernel (`config` an MMConfig)."""
+    from . import blockwise_wgmma as bw
+
+    if isinstance(config, bw.WgmmaConfig) or (config is None and bw.applies(a2d, b)):
+        if not bw.applies(a2d, b, any_m=True):
+            raise ValueError("config: a WgmmaConfig needs sm90, Gluon and describable fp8 e4m3 operands")
+        return bw.scaled_mm_blockwise_wgmma(a2d, b, scale_a, scale_b, out_dtype, bias, config)
     m, k = a2d.shape
     n = b.shape[1]
     out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)

@@ -1,0 +1,279 @@
+"""Block-scaled FP8 GEMM for Hopper (sm90) written in Gluon: asynchronous wgmma with lagged promotion.
+
+Math (SPEC section 2, 1x128 activation groups, 128x128 weight blocks):
+    out[i, j] = sum_kb (scale_a[i, kb] * scale_b[kb, j // 128]) * dot(a[i, kb-block], b[kb-block, j]) + bias[j]
+
+Why a second kernel: in the `tl` kernel (scaled_mm._blockwise_kernel) each K step's tensor-core partial must
+be scaled before it joins the float32 accumulator, and Triton waits for every wgmma whose result is not a
+loop-carried dot accumulator (`warp_group_dot_wait {pendings = 0}` in its sm90 TTGIR), so the tensor cores
+idle while the partial is scaled: 0.45-0.67x of the rowwise kernel on the H100. Gluon exposes the wgmma
+commit groups, so here step t's wgmma is issued into a fresh register tile and left in flight
+(`warpgroup_mma_wait(num_outstanding=1)`) while step t-1's partial is scaled into the accumulator: the
+tensor cores always have the next 128-deep product queued (DeepSeek-V3's promotion every 128, without
+warp specialization).
+
+Pipeline: STAGES shared-memory slots filled by the copy engine (tensor descriptors, zero fill past M, N and
+K), one mbarrier per slot. Slot s is refilled with step t-1+STAGES once step t-1's wgmma has retired, behind
+a CTA barrier (both warpgroups read the weight tile). Scales are read one step ahead of their use.
+
+Numerics: every partial starts at zero (use_acc=False) and covers one 128-deep group, so the tensor core's
+reduced-precision accumulation spans 128 products only, as in the `tl` kernel's variant 0/2; then
+acc += (sa * sb) * partial in float32 (one scale product per row, one FMA per element: the same rounding as
+variant 2). Non-finite scales propagate as in the reference.
+
+Scope (`applies`): sm90 exactly (wgmma is sm90a-only), fp8 e4m3 operands a [M, K] and b^T [N, K] both
+describable (K-contiguous, 16-byte aligned rows and base), BLOCK_N dividing 128 so a tile has one weight-block
+scale per step. Anything else, and the Triton interpreter (Gluon has none), runs the `tl` kernel, which stays
+the executable twin tested on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import triton
+
+from ._common import INTERPRET, describable
+
+try:  # Gluon is experimental: absent or renamed in some Triton releases, then this path is simply off
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    # a CTA-wide barrier (bar.sync): gl.thread_barrier in Triton 3.6, gl.barrier in later releases
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # a TMA tile load: tma.async_copy_global_to_shared in Triton 3.6, tma.async_load later
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    GLUON_AVAILABLE = True
+except Exception:  # noqa: BLE001 - any import-time failure means "no Gluon"
+    GLUON_AVAILABLE = False
+
+SCALE_BLOCK = 128
+_BIG = 1 << 62
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    stages: int
+    group_m: int = 8
+
+
+# Per architecture, (max_m, candidates); the first candidate runs. BLOCK_K is the scale group (128).
+# 128x128 with two warpgroups (one 64-row half each) keeps acc + two partials at 3 x 64 float32 registers per
+# thread (220 in the sm90 build); 4 slots of 32 KiB. H100 sweep (benchmarks/tune_blockwise_wgmma.py, results/
+# tune_blockwise_wgmma.json; the six Llama-3 (K, N) at M = 1024 and 4096, CUDA graphs, bf16 out + bias): 128x128
+# 4 stages 0.70-0.91x our rowwise fp8 (840-966 TFLOPS); 3 or 5 stages and group 16 within the run's noise
+# (+-5%), 128x64 0.42-0.55x, 64x128 (4 warps) 0.47-0.61x in the first sweep.
+WGMMA_CONFIGS: Dict[str, List[Tuple[int, List[WgmmaConfig]]]] = {
+    "sm90": [(_BIG, [WgmmaConfig(128, 128, 8, 4), WgmmaConfig(128, 128, 8, 3), WgmmaConfig(64, 128, 4, 5)])],
+}
+
+# below this many rows the `tl` kernel's split-K decode tiles stream the weight better than 64+ row tiles
+MIN_M = 257
+
+
+def pick_config(m: int, n: int, device: torch.device) -> WgmmaConfig:
+    from .configs import arch_key
+
+    rows = WGMMA_CONFIGS.get(arch_key(device.type, device.index))
+    if rows is None:
+        raise ValueError(f"no wgmma blockwise configs for device {device}")
+    return next(cfgs for max_m, cfgs in rows if m <= max_m)[0]
+
+
+def _sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def applies(a2d: torch.Tensor, b: torch.Tensor, any_m: bool = False) -> bool:
+    """Whether scaled_mm_blockwise runs the Gluon kernel for a [M, K] and b [K, N] (see module doc); any_m:
+    whether it can (an explicit WgmmaConfig), at decode-sized M too."""
+    return (
+        GLUON_AVAILABLE
+        and not INTERPRET
+        and (any_m or a2d.shape[0] >= MIN_M)
+        and a2d.dtype == torch.float8_e4m3fn
+        and b.dtype == torch.float8_e4m3fn
+        and _sm90(a2d.device)
+        and describable(a2d, b.t())
+    )
+
+
+if GLUON_AVAILABLE:
+
+    @gluon.constexpr_function
+    def _store_layout(block_n, bits, num_warps):
+        vec = 128 // bits  # 16 bytes per thread along N
+        cols = min(block_n // vec, 32)
+        return gl.BlockedLayout([1, vec], [32 // cols, cols], [num_warps, 1], [1, 0])
+
+    @gluon.jit
+    def _refill(a_desc, b_desc, a_smem, b_smem, ready, step, k_steps, off_m, off_n, STAGES: gl.constexpr, valid):
+        """Step `step`'s A and B tiles into slot step % STAGES (nothing past the last step, nor when not
+        `valid`). The CTA barrier first: the slot's previous wgmma has retired in this warpgroup, and must have
+        in the other too."""
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        _cta_barrier()
+        slot = step % STAGES
+        fill = (step < k_steps) & valid
+        mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=fill)
+        _tma_load(a_desc, [off_m, step * BLOCK_K], ready.index(slot), a_smem.index(slot), pred=fill)
+        _tma_load(b_desc, [off_n, step * BLOCK_K], ready.index(slot), b_smem.index(slot), pred=fill)
+
+    @gluon.jit
+    def _promote(acc, scale, part):
+        """acc + scale[:, None] * part, pinned before the next wgmma: the empty wait takes the sum as a
+        dependency, so LLVM cannot sink these FMAs past the wgmma that overwrites `part`'s registers (it
+        would then copy `part` first, inside the wgmma's pipeline stage, and ptxas serializes the wgmma)."""
+        acc += scale[:, None] * part
+        return warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+
+    @gluon.jit
+    def _step_scale(sa_ptrs, row_ok, sb_ptr, step, stride_sak, stride_sbk):
+        """sa[:, step] * sb[step, tile's weight block]: one float32 per row (rows past M: 0)."""
+        return gl.load(sa_ptrs + step * stride_sak, mask=row_ok, other=0.0) * gl.load(sb_ptr + step * stride_sbk)
+
+    @gluon.jit
+    def _blockwise_wgmma_kernel(
+        a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+        M, N, K,
+        stride_om, stride_sam, stride_sak, stride_sbk, stride_sbn,
+        HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SCALE_BLOCK: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        gl.static_assert(BLOCK_K == SCALE_BLOCK, "one activation scale per row per K step")
+        gl.static_assert(SCALE_BLOCK % BLOCK_N == 0, "one weight-block scale per tile per K step")
+
+        # grouped tile order: GROUP_M row tiles walk one column band of the weight (kept in L2)
+        pid = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_pid_n
+        first_m = (pid // width) * GROUP_M
+        size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+
+        # one warp per 16 rows (warpgroup = 64 rows); each wgmma instruction is the whole BLOCK_N wide
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+
+        k_steps = gl.cdiv(K, BLOCK_K)
+        for s in gl.static_range(STAGES):
+            _refill(a_desc, b_desc, a_smem, b_smem, ready, s, k_steps, off_m, off_n, STAGES, True)
+
+        rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+        row_ok = rows < M
+        sa_ptrs = scale_a_ptr + rows.to(gl.int64) * stride_sam
+        sb_ptr = scale_b_ptr + (off_n // SCALE_BLOCK) * stride_sbn
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+
+        # Two partial tiles in fixed registers, two K steps per iteration: step t's wgmma is issued over
+        # tile 0's last (already promoted) value, then step t-1's partial (tile 1) is retired and promoted
+        # while it runs, and the same again with the roles swapped; the last wgmma of an iteration stays in
+        # flight across the back edge. Each wgmma writes over the registers its input lives in
+        # (use_acc=False ignores their values), so the loop-carried tiles never need copying: a copy of
+        # registers a wgmma is still writing makes ptxas serialize every wgmma (C7514 in the sm90 build).
+        part0 = zero
+        tile1 = warpgroup_mma_init(zero)  # "step -1": nothing in flight, promoted with scale 0
+        scale1 = gl.zeros([BLOCK_M], gl.float32, row_layout)
+        for pair in range(0, k_steps // 2):
+            t = 2 * pair
+            slot = t % STAGES
+            mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+            tile0 = warpgroup_mma(a_smem.index(slot), b_smem.index(slot).permute((1, 0)), part0, use_acc=False,
+                                  is_async=True)
+            scale0 = _step_scale(sa_ptrs, row_ok, sb_ptr, t, stride_sak, stride_sbk)
+            part1 = warpgroup_mma_wait(num_outstanding=1, deps=(tile1, ))
+            _refill(a_desc, b_desc, a_smem, b_smem, ready, t - 1 + STAGES, k_steps, off_m, off_n, STAGES, t > 0)
+            acc = _promote(acc, scale1, part1)
+
+            slot = (t + 1) % STAGES
+            mbarrier.wait(ready.index(slot), ((t + 1) // STAGES) & 1)
+            tile1 = warpgroup_mma(a_smem.index(slot), b_smem.index(slot).permute((1, 0)), part1, use_acc=False,
+                                  is_async=True)
+            scale1 = _step_scale(sa_ptrs, row_ok, sb_ptr, t + 1, stride_sak, stride_sbk)
+            part0 = warpgroup_mma_wait(num_outstanding=1, deps=(tile0, ))
+            _refill(a_desc, b_desc, a_smem, b_smem, ready, t + STAGES, k_steps, off_m, off_n, STAGES, True)
+            acc = _promote(acc, scale0, part0)
+        if k_steps % 2 == 1:
+            t = k_steps - 1
+            slot = t % STAGES
+            mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+            tile0 = warpgroup_mma(a_smem.index(slot), b_smem.index(slot).permute((1, 0)), part0, use_acc=False,
+                                  is_async=True)
+            scale0 = _step_scale(sa_ptrs, row_ok, sb_ptr, t, stride_sak, stride_sbk)
+            part1 = warpgroup_mma_wait(num_outstanding=1, deps=(tile1, ))
+            acc += scale1[:, None] * part1
+            part0 = warpgroup_mma_wait(num_outstanding=0, deps=(tile0, ))
+            acc += scale0[:, None] * part0
+        else:
+            part1 = warpgroup_mma_wait(num_outstanding=0, deps=(tile1, ))
+            acc += scale1[:, None] * part1
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+
+        # epilogue in a row-major blocked layout: 16-byte stores along N
+        out_layout: gl.constexpr = _store_layout(BLOCK_N, out_ptr.dtype.element_ty.primitive_bitwidth, num_warps)
+        out = gl.convert_layout(acc, out_layout)
+        orows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+        ocols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+        col_ok = ocols < N
+        if HAS_BIAS:
+            out += gl.load(bias_ptr + ocols, mask=col_ok, other=0.0).to(gl.float32)[None, :]
+        o_ptrs = out_ptr + orows.to(gl.int64)[:, None] * stride_om + ocols[None, :]
+        gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(orows < M)[:, None] & col_ok[None, :])
+
+
+def _descriptor(t: torch.Tensor, block: List[int]):
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def scaled_mm_blockwise_wgmma(
+    a2d: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    config: Optional[WgmmaConfig] = None,
+) -> torch.Tensor:
+    """The Gluon blockwise GEMM; the caller checked `applies(a2d, b)` and validated the arguments."""
+    m, k = a2d.shape
+    n = b.shape[1]
+    cfg = config or pick_config(m, n, a2d.device)
+    if SCALE_BLOCK % cfg.block_n or cfg.block_m < 16 * cfg.num_warps:
+        raise ValueError(f"config: block_n must divide {SCALE_BLOCK} and block_m >= 16 * num_warps, got {cfg}")
+    out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
+    a_desc = _descriptor(a2d, [cfg.block_m, SCALE_BLOCK])
+    b_desc = _descriptor(b.t(), [cfg.block_n, SCALE_BLOCK])
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _blockwise_wgmma_kernel[grid](
+        a_desc, b_desc, out, scale_a, scale_b, bias if bias is not None else out,
+        m, n, k,
+        out.stride(0), scale_a.stride(0), scale_a.stride(1), scale_b.stride(0), scale_b.stride(1),
+        HAS_BIAS=bias is not None, GROUP_M=cfg.group_m, STAGES=cfg.stages, SCALE_BLOCK=SCALE_BLOCK,
+        num_warps=cfg.num_warps,
+    )
+    return out

@@ -1,0 +1,88 @@
+"""The Gluon blockwise FP8 kernel (kernels/blockwise_wgmma.py) without a GPU: when it is chosen, that a CPU
+caller can never reach it, and its sm90 build. Its numerics are tested on the GPU
+(tests/gpu/test_scaled_mm_gpu.py); under the interpreter scaled_mm_blockwise runs the `tl` twin."""
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from quantfuse.kernels import blockwise_wgmma as bw
+from quantfuse.kernels import scaled_mm as kmm
+
+FP8 = torch.float8_e4m3fn
+
+
+def _operands(m=512, k=1024, n=256):
+    a = (torch.randn(m, k) * 4).to(FP8)
+    w = (torch.randn(n, k) * 4).to(FP8)
+    sa = torch.rand(m, -(-k // 128)) + 0.5
+    sb = torch.rand(-(-k // 128), -(-n // 128)) + 0.5
+    return a, w.t(), sa, sb
+
+
+def test_never_applies_to_cpu_tensors():
+    a, b, _, _ = _operands()
+    assert not bw.applies(a, b)
+    assert not bw.applies(a, b, any_m=True)
+
+
+def test_explicit_config_refused_off_sm90():
+    a, b, sa, sb = _operands()
+    with pytest.raises(ValueError, match="config: a WgmmaConfig needs sm90"):
+        kmm.scaled_mm_blockwise(a, b, sa, sb, torch.float32, None, bw.WgmmaConfig(128, 128, 8, 4))
+
+
+def test_table_shape():
+    for _, cands in bw.WGMMA_CONFIGS["sm90"]:
+        for cfg in cands:
+            assert bw.SCALE_BLOCK % cfg.block_n == 0 and cfg.block_m >= 16 * cfg.num_warps
+
+
+def _compile_sm90(cfg: bw.WgmmaConfig):
+    """The kernel built for sm90 by this Triton (Triton internals: GluonASTSource, mangle_type, GPUTarget)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    a, b, sa, sb = _operands()
+    out = torch.empty(a.shape[0], b.shape[1], dtype=torch.bfloat16)
+    args = dict(a_desc=bw._descriptor(a, [cfg.block_m, bw.SCALE_BLOCK]),
+                b_desc=bw._descriptor(b.t(), [cfg.block_n, bw.SCALE_BLOCK]),
+                out_ptr=out, scale_a_ptr=sa, scale_b_ptr=sb, bias_ptr=out)
+    consts = dict(HAS_BIAS=True, GROUP_M=cfg.group_m, STAGES=cfg.stages, SCALE_BLOCK=bw.SCALE_BLOCK,
+                  num_warps=cfg.num_warps)
+    fn = bw._blockwise_wgmma_kernel
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else (mangle_type(args[n]) if n in args else "i32") for n in names}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs={})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
+
+
+@pytest.mark.skipif(not bw.GLUON_AVAILABLE, reason="this Triton has no Gluon")
+def test_sm90_build_keeps_wgmma_asynchronous(tmp_path):
+    """A regression guard on the point of the kernel: ptxas serializes every wgmma (waits for each right after
+    issuing it) when non-wgmma code touches registers a wgmma is still writing; the fast build issues each
+    K step's four wgmma back to back as one group and retires groups at depth 1."""
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this Triton wheel bundles no cuobjdump")
+    kernel = _compile_sm90(bw.WGMMA_CONFIGS["sm90"][0][1][0])
+    path = str(tmp_path / "blockwise_wgmma.cubin")
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    sass = subprocess.check_output([cuobjdump, "-sass", path], text=True)
+    mma = re.findall(r"\bQGMMA\.[^;]*", sass)
+    committed = [m for m in mma if "gsb0" in m]
+    waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
+    assert len(mma) >= 8
+    # one commit (gsb0) per K step of four 32-deep wgmma; a serialized build commits and waits for each one
+    assert 4 * len(committed) <= len(mma), f"{len(committed)} of {len(mma)} wgmma committed one by one: serialized"
+    assert "0x1" in waits, "no wgmma left in flight anywhere"
+    regs = re.findall(r"REG:(\d+)", subprocess.check_output([cuobjdump, "--dump-resource-usage", path], text=True))
+    assert regs and int(regs[0]) <= 255
