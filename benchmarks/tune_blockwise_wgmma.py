@@ -6,7 +6,8 @@ layout of section 3 and column-major weight-block scales (as bench_scaled_mm), b
 config is first checked against the reference on one input (mean |delta| / mean |ref|, float32 out); a config
 over 1e-3 is reported and not timed.
 Env: TUNE_MS (M list, default 1024,4096), TUNE_KN ("K:N,..."; default the six Llama-3 shapes), TUNE_CONFIGS
-("bm,bn,warps,stages[,group];..."; default WGMMA_CONFIGS' sm90 candidates), TUNE_OUT_NAME.
+("bm,bn,warps,stages[,group];..."; default WGMMA_CONFIGS' sm90 candidates), TUNE_OUT_NAME,
+TUNE_AB_MODULE (a file holding another version of blockwise_wgmma, timed in the same run).
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_blockwise_wgmma.py
 """
 
@@ -58,6 +59,19 @@ def main():
                              TFLOPS=tops(m, k, n, tl_ms), vs_rowwise=rowwise_ms / tl_ms))
             a, b, sa, sb, bias = bsets[0]
             want = ref.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
+            ab = os.environ.get("TUNE_AB_MODULE")
+            if ab:  # another version of the Gluon kernel (a module file), timed with its default config in this run
+                import importlib.util
+                spec = importlib.util.spec_from_file_location("ab_module", ab)
+                mod = importlib.util.module_from_spec(spec)
+                sys.modules["ab_module"] = mod  # dataclasses look their module up
+                spec.loader.exec_module(mod)
+                got = mod.scaled_mm_blockwise_wgmma(a, b, sa, sb, torch.float32, bias)
+                ab_ms = t(lambda a, b, sa, sb, bias: mod.scaled_mm_blockwise_wgmma(a, b, sa, sb, BF16, bias), bsets)
+                rows.append(dict(base, kernel=f"A/B {os.path.basename(ab)}", ms=ab_ms, TFLOPS=tops(m, k, n, ab_ms),
+                                 vs_rowwise=rowwise_ms / ab_ms,
+                                 mean_rel_err=float((got - want).abs().mean() / want.abs().mean())))
+                print(rows[-1], flush=True)
             for cfg in configs:
                 row = dict(base, kernel=f"blockwise wgmma {_short(cfg)}")
                 try:

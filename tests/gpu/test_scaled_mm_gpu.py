@@ -284,7 +284,8 @@ def test_blockwise_wgmma_default(monkeypatch, m, k, n, transposed_scales):
 @needs_wgmma
 @pytest.mark.parametrize("cfg", [bw.WgmmaConfig(128, 128, 8, 4), bw.WgmmaConfig(128, 64, 8, 5), bw.WgmmaConfig(64, 128, 4, 5),
                                  bw.WgmmaConfig(128, 128, 8, 3, 1)], ids=str)
-@pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (16, 1280, 130), (700, 3424, 1000)])
+# 2048x2176: 272 tiles (more than one wave), 9 K steps each (odd)
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (16, 1280, 130), (700, 3424, 1000), (2048, 1152, 2176)])
 def test_blockwise_wgmma_configs(monkeypatch, cfg, m, k, n):
     spy = _spy_wgmma(monkeypatch)
     a, b, sa, sb = _block_operands(m, k, n, True)
