@@ -249,7 +249,8 @@ def test_torch_compile_fullgraph_and_cuda_graph():
 
 # ---- the Gluon blockwise kernel (kernels/blockwise_wgmma.py): sm90 with describable operands --------------
 needs_wgmma = pytest.mark.skipif(
-    not (bw.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0)), reason="Gluon wgmma kernel: sm90 + Gluon")
+    not (bw.GLUON_AVAILABLE and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="Gluon wgmma kernel: sm90 + Gluon")
 
 
 def _spy_wgmma(monkeypatch):

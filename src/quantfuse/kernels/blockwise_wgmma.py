@@ -65,7 +65,8 @@ class WgmmaConfig:
     group_m: int = 8
 
 
-# Per architecture, (max_m, candidates); the first candidate runs. BLOCK_K is the scale group (128).
+# Per architecture, (max_m, candidates); the first candidate runs, the rest are what the tuner sweeps by
+# default. BLOCK_K is the scale group (128).
 # 128x128 with two warpgroups (one 64-row half each) keeps acc + two partials at 3 x 64 float32 registers per
 # thread (220 in the sm90 build); 4 slots of 32 KiB. H100 sweep (benchmarks/tune_blockwise_wgmma.py, results/
 # tune_blockwise_wgmma.json; the six Llama-3 (K, N) at M = 1024 and 4096, CUDA graphs, bf16 out + bias): 128x128
@@ -75,7 +76,8 @@ WGMMA_CONFIGS: Dict[str, List[Tuple[int, List[WgmmaConfig]]]] = {
     "sm90": [(_BIG, [WgmmaConfig(128, 128, 8, 4), WgmmaConfig(128, 128, 8, 3), WgmmaConfig(64, 128, 4, 5)])],
 }
 
-# below this many rows the `tl` kernel's split-K decode tiles stream the weight better than 64+ row tiles
+# Up to 256 rows the `tl` kernel keeps its measured decode / split-K tiles (scaled_mm.BLOCKWISE_CONFIGS); this
+# kernel was timed at M = 1024 and 4096 only, so where the crossover lies below 1024 is not measured.
 MIN_M = 257
 
 
@@ -154,7 +156,8 @@ if GLUON_AVAILABLE:
         gl.static_assert(BLOCK_K == SCALE_BLOCK, "one activation scale per row per K step")
         gl.static_assert(SCALE_BLOCK % BLOCK_N == 0, "one weight-block scale per tile per K step")
 
-        # grouped tile order: GROUP_M row tiles walk one column band of the weight (kept in L2)
+        # grouped tile order: GROUP_M row tiles walk one column band of the weight (kept in L2); _common's
+        # tile_coords written out, since under TRITON_INTERPRET it is an interpreter object Gluon cannot call
         pid = gl.program_id(0)
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)

@@ -11,7 +11,7 @@ Blockwise FP8 (1x128 activation groups, 128x128 weight blocks):
   How the per-step scales are applied is MMConfig.variant (BLOCKWISE_VARIANTS: two float32 tiles, a rescaled
   single accumulator, one weight scale per tile); the shipped sm90 table uses variant 2, measured fastest.
   On sm90 past decode sizes, with describable operands, the Gluon kernel of blockwise_wgmma.py runs instead
-  (asynchronous wgmma, each step's partial scaled while the next step's product runs): 1.25-1.4x this one.
+  (asynchronous wgmma, each step's partial scaled while the next step's product runs): 1.25-1.5x this one.
 
 Design:
 - One tile kernel per family. Tiles are visited in grouped order (GROUP_M row-tiles share a column
