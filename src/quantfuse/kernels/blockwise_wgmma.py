@@ -30,12 +30,15 @@ the executable twin tested on the CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import triton
 
-from ._common import INTERPRET, describable
+from ._common import INTERPRET
+from .configs import arch_key
+from .scaled_mm import _BIG, BLOCKWISE_SCALE_BLOCK as SCALE_BLOCK, tma_applies
 
 try:  # Gluon is experimental: absent or renamed in some Triton releases, then this path is simply off
     from triton.experimental import gluon
@@ -51,9 +54,6 @@ try:  # Gluon is experimental: absent or renamed in some Triton releases, then t
     GLUON_AVAILABLE = True
 except Exception:  # noqa: BLE001 - any import-time failure means "no Gluon"
     GLUON_AVAILABLE = False
-
-SCALE_BLOCK = 128
-_BIG = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -82,16 +82,16 @@ MIN_M = 257
 
 
 def pick_config(m: int, n: int, device: torch.device) -> WgmmaConfig:
-    from .configs import arch_key
-
     rows = WGMMA_CONFIGS.get(arch_key(device.type, device.index))
     if rows is None:
         raise ValueError(f"no wgmma blockwise configs for device {device}")
     return next(cfgs for max_m, cfgs in rows if m <= max_m)[0]
 
 
-def _sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+@lru_cache(maxsize=None)
+def _sm90(device_type: str, index) -> bool:
+    # exactly 9.0: wgmma is an sm90a instruction (configs.arch_key calls every major >= 9 "sm90")
+    return device_type == "cuda" and torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def applies(a2d: torch.Tensor, b: torch.Tensor, any_m: bool = False) -> bool:
@@ -103,8 +103,8 @@ def applies(a2d: torch.Tensor, b: torch.Tensor, any_m: bool = False) -> bool:
         and (any_m or a2d.shape[0] >= MIN_M)
         and a2d.dtype == torch.float8_e4m3fn
         and b.dtype == torch.float8_e4m3fn
-        and _sm90(a2d.device)
-        and describable(a2d, b.t())
+        and _sm90(a2d.device.type, a2d.device.index)
+        and tma_applies(a2d, b)
     )
 
 
