@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import quantfuse as qf  # noqa: E402
+from quantfuse.kernels import gemv_tma as gt  # noqa: E402
 from quantfuse.kernels import weight_only as kw  # noqa: E402
 from quantfuse.weights import QuantizedWeight  # noqa: E402
 
@@ -113,6 +114,10 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
     if m >= table["cublas_min_m"]:
         return "dequant+cublas"
     tile = kw.pick_tile(m, dev, bits)
+    if m == 1 and gt.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0) and kw.prefer_gemv_tma(
+            bits, n, k, tile, kw._num_sms(dev)):
+        cfg = gt.pick_config(bits, dev)
+        return f"gluon tma gemv {cfg.block_n}x{cfg.chunks}c"
     grid = -(-n // tile["block_n"]) * -(-m // tile["block_m"])
     chunks = -(-k // kw.chunk_codes(bits))
     splits = max(1, min(chunks, tile["programs_per_sm"] * kw._num_sms(dev) // max(1, grid)))

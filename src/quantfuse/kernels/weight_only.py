@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gemv_tma
 from ._common import INTERPRET, cast_to
 from .configs import arch_key
 
@@ -1009,4 +1010,30 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
     if x2d.is_cuda and m >= _table(x2d.device)["cublas_min_m"]:
         w_hat = dequantize(qweight, scales, zeros, bits, group_size, k, x2d.dtype)
         return torch.nn.functional.linear(x2d, w_hat, bias)
+    if m == 1 and gemv_tma.applies(x2d, qweight, scales, bits, group_size, k) and prefer_gemv_tma(
+            bits, n, k, pick_tile(1, x2d.device, bits), _num_sms(x2d.device)):
+        return gemv_tma_mm(x2d, qweight, scales, zeros, bias, bits, group_size, n)
     return fused_mm(x2d, qweight, scales, zeros, bias, bits, group_size, n)
+
+
+def prefer_gemv_tma(bits: int, n: int, k: int, tl_tile: dict, num_sms: int) -> bool:
+    """Whether M = 1 runs the Gluon GEMV rather than the tl one (where `gemv_tma.applies`): int8 weights always
+    (1.13-1.40x on six of eight Llama-3 shapes, 0.95-1.0x on two: tune_gemv_tma.json); int4 only where the tl
+    GEMV's tile cannot reach its programs-per-SM target even with one chunk per split (N x K too small: 4096x1024
+    1.26x), since elsewhere the Gluon kernel's conversion is issue-bound and the tl GEMV is faster."""
+    if bits == 8:
+        return True
+    programs = triton.cdiv(n, tl_tile["block_n"]) * triton.cdiv(k, chunk_codes(bits))
+    return programs < tl_tile["programs_per_sm"] * num_sms
+
+
+def gemv_tma_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int,
+                config: Optional["gemv_tma.GemvConfig"] = None, splits: Optional[int] = None) -> torch.Tensor:
+    """The Gluon TMA-fed GEMV (`gemv_tma`, sm90, M = 1) with this module's split-K counters and SM count; the
+    caller checked `gemv_tma.applies`."""
+    cfg = config or gemv_tma.pick_config(bits, x2d.device)
+    counters = None
+    if _table(x2d.device)["fused_reduce_max_m"] >= 1:
+        counters = _tile_counters(x2d.device, triton.cdiv(n, cfg.block_n))
+    return gemv_tma.gemv_tma(x2d, qweight, scales, zeros, bias, bits, group_size, n, config=cfg, splits=splits,
+                             counters=counters, num_sms=_num_sms(x2d.device))
