@@ -30,30 +30,21 @@ the executable twin tested on the CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import triton
 
 from ._common import INTERPRET
+from ._gluon import GLUON_AVAILABLE, sm90_exactly
 from .configs import arch_key
 from .scaled_mm import _BIG, BLOCKWISE_SCALE_BLOCK as SCALE_BLOCK, tma_applies
 
-try:  # Gluon is experimental: absent or renamed in some Triton releases, then this path is simply off
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
-
-    # a CTA-wide barrier (bar.sync): gl.thread_barrier in Triton 3.6, gl.barrier in later releases
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    # a TMA tile load: tma.async_copy_global_to_shared in Triton 3.6, tma.async_load later
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    GLUON_AVAILABLE = True
-except Exception:  # noqa: BLE001 - any import-time failure means "no Gluon"
-    GLUON_AVAILABLE = False
+if GLUON_AVAILABLE:
+    from ._gluon import TensorDescriptor as GluonTensorDescriptor
+    from ._gluon import cta_barrier as _cta_barrier
+    from ._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+    from ._gluon import tma_load as _tma_load
 
 
 @dataclass(frozen=True)
@@ -88,12 +79,6 @@ def pick_config(m: int, n: int, device: torch.device) -> WgmmaConfig:
     return next(cfgs for max_m, cfgs in rows if m <= max_m)[0]
 
 
-@lru_cache(maxsize=None)
-def _sm90(device_type: str, index) -> bool:
-    # exactly 9.0: wgmma is an sm90a instruction (configs.arch_key calls every major >= 9 "sm90")
-    return device_type == "cuda" and torch.cuda.get_device_capability(index) == (9, 0)
-
-
 def applies(a2d: torch.Tensor, b: torch.Tensor, any_m: bool = False) -> bool:
     """Whether scaled_mm_blockwise runs the Gluon kernel for a [M, K] and b [K, N] (see module doc); any_m:
     whether it can (an explicit WgmmaConfig), at decode-sized M too."""
@@ -103,7 +88,7 @@ def applies(a2d: torch.Tensor, b: torch.Tensor, any_m: bool = False) -> bool:
         and (any_m or a2d.shape[0] >= MIN_M)
         and a2d.dtype == torch.float8_e4m3fn
         and b.dtype == torch.float8_e4m3fn
-        and _sm90(a2d.device.type, a2d.device.index)
+        and sm90_exactly(a2d.device.type, a2d.device.index)
         and tma_applies(a2d, b)
     )
 

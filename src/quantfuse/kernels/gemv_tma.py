@@ -29,26 +29,20 @@ the executable twin tested on the CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Dict, List, Optional
 
 import torch
 import triton
 
 from ._common import INTERPRET
+from ._gluon import GLUON_AVAILABLE, sm90_exactly
 from .configs import arch_key
 
-try:  # Gluon is experimental: absent or renamed in some Triton releases, then this path is simply off
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
-
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    GLUON_AVAILABLE = True
-except Exception:  # noqa: BLE001 - any import-time failure means "no Gluon"
-    GLUON_AVAILABLE = False
+if GLUON_AVAILABLE:
+    from ._gluon import TensorDescriptor as GluonTensorDescriptor
+    from ._gluon import cta_barrier as _cta_barrier
+    from ._gluon import gl, gluon, mbarrier
+    from ._gluon import tma_load as _tma_load
 
 WORDS_PER_CHUNK = 16
 
@@ -98,11 +92,6 @@ def pick_config(bits: int, device: torch.device) -> GemvConfig:
     return GEMV_CONFIGS[arch_key(device.type, device.index)][bits][0]
 
 
-@lru_cache(maxsize=None)
-def _sm90(device_type: str, index) -> bool:
-    return device_type == "cuda" and torch.cuda.get_device_capability(index) == (9, 0)
-
-
 def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
@@ -114,7 +103,7 @@ def applies(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits
         return False
     if x2d.dtype not in (torch.float16, torch.bfloat16) or bits not in (4, 8):
         return False
-    if not _sm90(x2d.device.type, x2d.device.index):
+    if not sm90_exactly(x2d.device.type, x2d.device.index):
         return False
     words = qweight.shape[1]
     chunk = WORDS_PER_CHUNK * (32 // bits)

@@ -1,0 +1,36 @@
+"""Gluon (Triton's explicit-layout dialect) for the sm90 kernels, imported once, with the renames between
+Triton releases folded: absent or failing to import, GLUON_AVAILABLE is False and those kernels are simply off
+(their `tl` twins run)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # a CTA-wide barrier (bar.sync): gl.thread_barrier in Triton 3.6, gl.barrier in later releases
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # a TMA tile load: tma.async_copy_global_to_shared in Triton 3.6, tma.async_load later
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    GLUON_AVAILABLE = True
+except Exception:  # noqa: BLE001 - any import-time failure means "no Gluon"
+    GLUON_AVAILABLE = False
+
+__all__ = ["GLUON_AVAILABLE", "sm90_exactly"]
+if GLUON_AVAILABLE:
+    __all__ += ["gluon", "gl", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait",
+                "TensorDescriptor", "cta_barrier", "tma_load"]
+
+
+@lru_cache(maxsize=None)
+def sm90_exactly(device_type: str, index) -> bool:
+    """Compute capability 9.0 exactly: wgmma and these TMA kernels are sm90a builds (configs.arch_key calls every
+    major >= 9 "sm90"). Cached per device: the launchers ask on every call."""
+    return device_type == "cuda" and torch.cuda.get_device_capability(index) == (9, 0)
