@@ -261,13 +261,15 @@ def _descriptor(qweight: torch.Tensor, cfg: GemvConfig):
 
 def gemv_tma(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int,
              config: Optional[GemvConfig] = None, splits: Optional[int] = None,
-             counters: Optional[torch.Tensor] = None, num_sms: int = 132) -> torch.Tensor:
+             counters: Optional[torch.Tensor] = None, num_sms: Optional[int] = None) -> torch.Tensor:
     """out [1, N] = x2d @ W.T (+ bias); the caller checked `applies` and validated the arguments. counters:
     a zeroed int32 slot per row block for the fused split-K reduction (None: a second kernel reduces)."""
     from .weight_only import _splitk_reduce_kernel  # here, not at the top: weight_only imports this module
 
     cfg = config or pick_config(bits, x2d.device)
     check_config(cfg)
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(x2d.device).multi_processor_count
     k = x2d.shape[1]
     chunk = WORDS_PER_CHUNK * (32 // bits)
     per_channel = scales.shape[0] == 1

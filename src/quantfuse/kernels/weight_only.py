@@ -52,6 +52,9 @@ Kernels:
   Under the interpreter, which cannot run PTX, the same packed operands go through a float32 twin (exact
   up to the one rounding), so the CPU tests check which field and group land where and the GPU tests
   check the PTX.
+- `gemv_tma` (Gluon, sm90, M = 1): the scale-after GEMV with the weight streamed by TMA through a shared-memory
+  ring; `weight_only_mm` runs it for int8 weights and for int4 where the tl GEMV is under-filled
+  (`prefer_gemv_tma`), where it measured faster on the H100.
 - `_dequant_kernel` writes w_hat [N, K] (for `QuantizedWeight.dequantize` and for large M, where
   dequantize-once + cuBLAS can beat the fused kernel; the crossover is data in `_DISPATCH`).
 Launchers assume the arguments were validated by `quantfuse.ops`.
