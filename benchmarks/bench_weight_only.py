@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import quantfuse as qf  # noqa: E402
+from quantfuse.kernels import gemv_mma as gm  # noqa: E402
 from quantfuse.kernels import gemv_tma as gt  # noqa: E402
 from quantfuse.kernels import weight_only as kw  # noqa: E402
 from quantfuse.weights import QuantizedWeight  # noqa: E402
@@ -114,6 +115,10 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
     if m >= table["cublas_min_m"]:
         return "dequant+cublas"
     tile = kw.pick_tile(m, dev, bits)
+    sm90_gluon = gt.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
+    if bits == 4 and sm90_gluon and m <= gm.MAX_M and kw.prefer_gemv_mma(m, n, k):  # group 128 here: applies
+        cfg = gm.pick_config(dev)
+        return f"gluon mma decode {cfg.block_n}w{cfg.num_warps}"
     if m == 1 and gt.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0) and kw.prefer_gemv_tma(
             bits, n, k, tile, kw._num_sms(dev)):
         cfg = gt.pick_config(bits, dev)

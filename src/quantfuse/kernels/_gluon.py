@@ -11,6 +11,7 @@ import torch
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import (
         mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -25,7 +26,7 @@ except Exception:  # noqa: BLE001 - any import-time failure means "no Gluon"
 
 __all__ = ["GLUON_AVAILABLE", "sm90_exactly"]
 if GLUON_AVAILABLE:
-    __all__ += ["gluon", "gl", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait",
+    __all__ += ["gluon", "gl", "mbarrier", "mma_v2", "tma", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait",
                 "TensorDescriptor", "cta_barrier", "tma_load"]
 
 

@@ -55,6 +55,9 @@ Kernels:
 - `gemv_tma` (Gluon, sm90, M = 1): the scale-after GEMV with the weight streamed by TMA through a shared-memory
   ring; `weight_only_mm` runs it for int8 weights and for int4 where the tl GEMV is under-filled
   (`prefer_gemv_tma`), where it measured faster on the H100.
+- `gemv_mma` (Gluon, sm90, int4, M <= 16): the scale-after product on mma.sync, the packed words converted in
+  registers straight into the A operand (two weights per LOP3 + HADD2); `weight_only_mm` runs it in the measured
+  M and N x K ranges of `GEMV_MMA_MIN_WEIGHTS` (M = 2..8 from 4096x4096 up, M = 1 on the large shapes).
 - `_dequant_kernel` writes w_hat [N, K] (for `QuantizedWeight.dequantize` and for large M, where
   dequantize-once + cuBLAS can beat the fused kernel; the crossover is data in `_DISPATCH`).
 Launchers assume the arguments were validated by `quantfuse.ops`.
@@ -68,7 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import gemv_tma
+from . import gemv_mma, gemv_tma
 from ._common import INTERPRET, cast_to
 from .configs import arch_key
 
@@ -1013,10 +1016,39 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
     if x2d.is_cuda and m >= _table(x2d.device)["cublas_min_m"]:
         w_hat = dequantize(qweight, scales, zeros, bits, group_size, k, x2d.dtype)
         return torch.nn.functional.linear(x2d, w_hat, bias)
+    if gemv_mma.applies(x2d, qweight, scales, bits, group_size, k) and prefer_gemv_mma(m, n, k):
+        return gemv_mma_mm(x2d, qweight, scales, zeros, bias, group_size, n)
     if m == 1 and gemv_tma.applies(x2d, qweight, scales, bits, group_size, k) and prefer_gemv_tma(
             bits, n, k, pick_tile(1, x2d.device, bits), _num_sms(x2d.device)):
         return gemv_tma_mm(x2d, qweight, scales, zeros, bias, bits, group_size, n)
     return fused_mm(x2d, qweight, scales, zeros, bias, bits, group_size, n)
+
+
+# Where the Gluon tensor-core decode kernel beats the tl kernels (H100, W4A16 g128, bf16 x, CUDA graphs, weights
+# rotated past L2; benchmarks/tune_gemv_mma.py, results/tune_gemv_mma.json, same run): M = 1 1.02-1.25x the tl
+# GEMV from 4096x14336 up (28672x8192 56.2 us = 0.74 of copy bandwidth, 3.0x bf16) but 0.92-0.97x on 4096x1024 /
+# 4096x4096 / 4096x6144; M = 2..8 1.16-1.37x the tl mma tile from 4096x4096 up, 0.91-1.03x at 4096x1024; M = 9..16
+# (two n-tiles of the instruction) 0.76-0.94x with the fused reduction, ~1.0x with the reduce kernel: not taken.
+GEMV_MMA_MIN_WEIGHTS = {1: 48 << 20, 8: 8 << 20}  # {largest M: smallest N x K}
+
+
+def prefer_gemv_mma(m: int, n: int, k: int) -> bool:
+    """Whether an int4 product runs the Gluon tensor-core decode kernel (where `gemv_mma.applies`): the measured
+    M and N x K ranges of `GEMV_MMA_MIN_WEIGHTS`."""
+    for max_m, min_weights in sorted(GEMV_MMA_MIN_WEIGHTS.items()):
+        if m <= max_m:
+            return n * k >= min_weights
+    return False
+
+
+def gemv_mma_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
+                config: Optional["gemv_mma.MmaDecodeConfig"] = None, splits: Optional[int] = None) -> torch.Tensor:
+    """The Gluon tensor-core int4 decode kernel (`gemv_mma`, sm90, M <= 16) with this module's split-K counters and
+    SM count; the caller checked `gemv_mma.applies`."""
+    cfg = config or gemv_mma.pick_config(x2d.device)
+    counters = _tile_counters(x2d.device, triton.cdiv(n, cfg.block_n))
+    return gemv_mma.gemv_mma(x2d, qweight, scales, zeros, bias, group_size, n, config=cfg, splits=splits,
+                             counters=counters, num_sms=_num_sms(x2d.device))
 
 
 def prefer_gemv_tma(bits: int, n: int, k: int, tl_tile: dict, num_sms: int) -> bool:

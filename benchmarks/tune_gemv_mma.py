@@ -1,0 +1,148 @@
+"""Sweep the Gluon tensor-core int4 decode kernel's configs (kernels/gemv_mma.py) against the shipped path
+(`weight_only.weight_only_mm` with this kernel switched off), bf16 F.linear and tinygemm at M = 1..16, in one run on the GPU
+(issues 5 and 6: weight-only decode).
+
+Per (K, N, M): CUDA-graph medians with the weights rotated past L2 (common.time_ms): bf16 F.linear on the
+dequantized weight, torch.ops.aten._weight_int4pack_mm (tinygemm), the shipped dispatch, and each MmaDecodeConfig
+(fused split-K reduction; the first config also with the reduce kernel). Each config's output is first compared
+with x @ W.T in float32 for the unrounded W = (u - z) s (mean |delta| / mean |ref|; the shipped path's error is reported too); a config over
+3e-3 (a bf16 output rounding is ~1e-3) is reported and not timed.
+W4A16 g128 symmetric, float32 scales, bf16 x. Env: TUNE_CONFIGS ("block_n,warps,programs_per_sm;..."),
+TUNE_KN ("K:N,..."), TUNE_M ("1,16"), TUNE_OUT_NAME (default tune_gemv_mma).
+Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_gemv_mma.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from bench_weight_only import clone_qw, qw_bytes, tinygemm, tinygemm_pack  # noqa: E402
+
+import quantfuse as qf  # noqa: E402
+from quantfuse.kernels import gemv_mma as gm  # noqa: E402
+from quantfuse.kernels import weight_only as kw  # noqa: E402
+
+BF16 = torch.bfloat16
+DEFAULT_KN = [(4096, 6144), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192), (4096, 4096), (4096, 1024),
+              (4096, 14336)]
+
+
+def _configs():
+    spec = os.environ.get("TUNE_CONFIGS")
+    if not spec:
+        return gm.MMA_DECODE_CONFIGS["sm90"]
+    return [gm.MmaDecodeConfig(*[int(v) for v in item.split(",")]) for item in spec.split(";") if item]
+
+
+def _short(c) -> str:
+    return f"{c.block_n} w{c.num_warps} p{c.programs_per_sm}"
+
+
+def _env_list(name, default, conv):
+    spec = os.environ.get(name)
+    return default if not spec else [conv(v) for v in spec.split(",") if v]
+
+
+def t(fn, sets):
+    return common.time_ms(fn, sets, graph=True, warmup=10, rep=50) * 1e3
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).abs().mean() / b.float().abs().mean().clamp_min(1e-30))
+
+
+def main():
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    bw = common.copy_bandwidth_gbs()
+    print(f"copy {bw:.0f} GB/s", flush=True)
+    kns = _env_list("TUNE_KN", DEFAULT_KN, lambda s: tuple(int(v) for v in s.split(":")))
+    ms = _env_list("TUNE_M", [1, 2, 4, 8, 16], int)
+    rows = []
+    start = time.time()
+    for k, n in kns:
+        qw = qf.quantize_weight(torch.randn(n, k, device=dev), bits=4, group_size=128)
+        nbytes = qw_bytes(qw)
+        qw_sets = [qw] + [clone_qw(qw) for _ in range(common.rotation_count(nbytes) - 1)]
+        w_hat = qw.dequantize(BF16)
+        w32 = qw.dequantize(torch.float32)
+        w_sets = [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
+        try:
+            tg = [tinygemm_pack(q) for q in qw_sets]
+        except Exception as e:  # noqa: BLE001 - tinygemm is a peer: its absence is reported, not fatal
+            print("tinygemm unavailable:", e)
+            tg = None
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=BF16)
+            sets = [(x, q) for q in qw_sets]
+            base = dict(K=k, N=n, M=m)
+            bf16_us = t(F.linear, [(x, w) for w in w_sets])
+            tiny_us = t(tinygemm, [(x,) + p for p in tg]) if tg else float("nan")
+
+            ref = x.float() @ w32.t()  # the unrounded-weight product, what the kernel computes
+
+            def shipped(x_, q):
+                return qf.weight_only_mm(x_, q)
+
+            prefer = kw.prefer_gemv_mma
+            kw.prefer_gemv_mma = lambda *a: False  # the dispatch without this kernel
+            try:
+                want = shipped(x, qw)
+                ship_us = t(shipped, sets)
+            finally:
+                kw.prefer_gemv_mma = prefer
+            rows.append(dict(base, config="shipped dispatch", us=ship_us, bf16_us=bf16_us, tinygemm_us=tiny_us,
+                             vs_bf16=bf16_us / ship_us, vs_tinygemm=tiny_us / ship_us, vs_shipped=1.0,
+                             frac_copy_bw=nbytes / (ship_us * 1e-6) / 1e9 / bw, rel_err=rel(want, ref)))
+            variants = [(c, True) for c in _configs()] + [(_configs()[0], False)]
+            for cfg, fused in variants:
+                def ours(x_, q, cfg=cfg, fused=fused):
+                    if fused:
+                        return kw.gemv_mma_mm(x_, q.qweight, q.scales, q.zeros, None, q.group_size, n, config=cfg)
+                    return gm.gemv_mma(x_, q.qweight, q.scales, q.zeros, None, q.group_size, n, config=cfg,
+                                       counters=None, num_sms=kw._num_sms(dev))
+
+                label = _short(cfg) + ("" if fused else " reduce-kernel")
+                try:
+                    err = rel(ours(x, qw), ref)
+                except Exception as e:  # noqa: BLE001 - a config the kernel refuses is reported, not fatal
+                    rows.append(dict(base, config=label, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    print(rows[-1], flush=True)
+                    continue
+                if err > 3e-3:  # a bf16 output rounding is ~1e-3 of mean |ref|
+                    rows.append(dict(base, config=label, rel_err=err, error="mismatch"))
+                    print(rows[-1], flush=True)
+                    continue
+                us = t(ours, sets)
+                rows.append(dict(base, config=label, us=us, bf16_us=bf16_us, tinygemm_us=tiny_us,
+                                 vs_bf16=bf16_us / us, vs_tinygemm=tiny_us / us, vs_shipped=ship_us / us,
+                                 frac_copy_bw=nbytes / (us * 1e-6) / 1e9 / bw, rel_err=err))
+            for r in rows[-1 - len(variants):]:
+                print({kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in r.items()}, flush=True)
+        del qw_sets, w_sets, tg, w32
+        torch.cuda.empty_cache()
+    columns = ["K", "N", "M", "config", "us", "bf16_us", "tinygemm_us", "vs_bf16", "vs_tinygemm", "vs_shipped",
+               "frac_copy_bw", "rel_err", "error"]
+    for r in rows:
+        for c in columns:
+            r.setdefault(c, "n/a")
+    notes = (f"W4A16 g128 symmetric, float32 scales, bf16 x; CUDA graphs, weights rotated past L2; copy bandwidth "
+             f"{bw:.0f} GB/s in this run; frac_copy_bw = packed weight + scales bytes / time / copy bandwidth. "
+             f"vs_shipped: the shipped dispatch's time / this config's. total {time.time() - start:.0f} s")
+    path = common.write_result(os.environ.get("TUNE_OUT_NAME", "tune_gemv_mma"),
+                               "Gluon tensor-core int4 decode configs vs the shipped path, bf16 and tinygemm", rows,
+                               columns, notes)
+    common.print_table(rows, columns)
+    print(notes)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""Weight-only INT4 decode on the tensor cores for Hopper (sm90) in Gluon: the packed weight dequantized in
+registers straight into the mma.sync operand, for M = 1..16.
+
+Math (SPEC section 4): out[m, n] = sum_k x[m, k] * (u[n, k] - z[g(k), n]) * s[g(k), n] (+ bias[n]), each 128-code
+chunk's float32 product of the exact integers u - z with x scaled by its group's scale (the GEMVs' "scale after":
+x @ W.T for the unrounded W = (u - z) * s, within one rounding per weight of x @ w_hat.T).
+
+Why: the CUDA-core GEMVs (`weight_only._wo_gemv_kernel`, `gemv_tma`) spend ~3.9 instructions per int4 weight
+(unpack, convert, FFMA) and are issue-bound at 0.5-0.6 of copy bandwidth on the H100. Here the product is the
+transposed out^T [N, M] = W [N, K] @ x^T [K, M] on mma.sync m16n8k16 with the weight as the A operand, and
+the conversion is two weights per instruction: per 32-bit register pair `((w >> 4p) & 0x000F000F) | MAGIC2`
+(one shift + one LOP3) is (MAGIC + u, MAGIC + u') in x's 16-bit dtype (MAGIC = 1024 in float16, 128 in
+bfloat16, exact for 4-bit codes) and one packed HADD2 subtracts MAGIC + z exactly. About 1.4 instructions
+per weight plus one HMMA per 64 weights per thread; M up to 8 rides in the n = 8 of the instruction for free.
+
+No data movement between loading and the MMA: K's order inside a chunk is free (the product sums over it), so
+the kernel's logical order k' is the one in which the packed words *are* the A fragment. In the packed layout
+(`weight_only` module doc) field f of word j of a chunk holds k = 16 f + j. With a 16-bit A operand of
+k_width 8, lane (r, c) of a warp holds, per chunk and row r / r + 8, k' = 32 blk + 8 c + e for blk = 0..3,
+e = 0..7; register pair p of word j = 4 c + blk (fields p and p + 4: the low and high halves after the
+shift) is (k' = 32 blk + 8 c + 2 p, + 1). So a thread loads the 4 consecutive words 4c .. 4c + 3 of a row
+(one 16-byte load) and expands them in place (join / reshape / permute: register renaming, asserted
+trivial at build time); x, the B operand, is read in the same permuted order (4 consecutive k per 8-byte
+load: k = 16 f + 4 c + blk for blk = 0..3).
+
+Pipelining: two register buffers (words, x, scale, zero point of one chunk each), the K loop unrolled by two so
+they never move: a buffer is refilled as soon as its chunk is converted, so the other chunk's loads are in flight
+during every conversion. H100 measurements: weight_only.GEMV_MMA_MIN_WEIGHTS, results/tune_gemv_mma.json.
+
+Split-K: as `gemv_tma` (float32 partials [splits, M, N]; the last program of a row block adds them in split
+order with the bias, or `weight_only._splitk_reduce_kernel` without a counter slot).
+
+Scope (`applies`): sm90 exactly, 1 <= M <= 16, float16 / bfloat16 x, int4 codes, groups of a multiple of 128
+(whole chunks) or per channel. Everything else, and the Triton interpreter, runs the `tl` kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import triton
+
+from ._common import INTERPRET
+from ._gluon import GLUON_AVAILABLE, sm90_exactly
+from .configs import arch_key
+
+if GLUON_AVAILABLE:
+    from ._gluon import cta_barrier as _cta_barrier
+    from ._gluon import gl, gluon, mma_v2
+
+CHUNK = 128  # int4 codes per chunk of 16 words
+WORDS_PER_CHUNK = 16
+MAX_M = 16
+
+
+def _convert_ptx(magic2: int, sub: str) -> str:
+    """Four register pairs (MAGIC + u, MAGIC + u') of one int4 word ($4), minus the pair $5 (MAGIC + z twice)."""
+    lines = []
+    for p in range(4):
+        src = "$4" if p == 0 else f"t{p}"
+        if p:
+            lines.append(f"shr.u32 t{p}, $4, {4 * p};")
+        lines.append(f"lop3.b32 t{p}, {src}, 0x000F000F, {magic2:#010x}, 0xea;")
+    lines += [f"{sub} ${p}, t{p}, $5;" for p in range(4)]
+    return "{ .reg .b32 t0, t1, t2, t3; " + " ".join(lines) + " }"
+
+
+if GLUON_AVAILABLE:  # the kernel's copies (a @jit function reads constexpr globals only)
+    _CHUNK = gl.constexpr(CHUNK)
+    _WORDS = gl.constexpr(WORDS_PER_CHUNK)
+    _CONVERT_F16 = gl.constexpr(_convert_ptx(0x64006400, "sub.f16x2"))
+    _CONVERT_BF16 = gl.constexpr(_convert_ptx(0x43004300, "sub.bf16x2"))
+
+
+@dataclass(frozen=True)
+class MmaDecodeConfig:
+    """block_n rows per program (16 x num_warps x row tiles per warp: a warp's x fragment serves its tiles);
+    programs_per_sm sets the split-K target (row blocks x splits ~ programs_per_sm x SMs)."""
+    block_n: int
+    num_warps: int
+    programs_per_sm: int
+
+
+# Per architecture, the candidates; the first runs, the rest are what benchmarks/tune_gemv_mma.py sweeps.
+_INT4 = [MmaDecodeConfig(128, 4, 4), MmaDecodeConfig(64, 4, 8), MmaDecodeConfig(128, 4, 2),
+         MmaDecodeConfig(256, 8, 2), MmaDecodeConfig(64, 2, 8), MmaDecodeConfig(128, 8, 4)]
+MMA_DECODE_CONFIGS: Dict[str, List[MmaDecodeConfig]] = {"sm90": _INT4}
+
+
+def check_config(cfg: MmaDecodeConfig) -> None:
+    rows = 16 * cfg.num_warps
+    if cfg.num_warps not in (1, 2, 4, 8) or cfg.block_n % rows or cfg.block_n & (cfg.block_n - 1):
+        raise ValueError(f"config: block_n must be a power of two multiple of 16 x num_warps (1, 2, 4 or 8), "
+                         f"got {cfg}")
+    if cfg.programs_per_sm < 1:
+        raise ValueError(f"config programs_per_sm: expected >= 1, got {cfg.programs_per_sm}")
+
+
+def pick_config(device: torch.device) -> MmaDecodeConfig:
+    return MMA_DECODE_CONFIGS[arch_key(device.type, device.index)][0]
+
+
+def applies(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+            k: int) -> bool:
+    """Whether the product runs here (module doc); the caller validated the arguments."""
+    if not GLUON_AVAILABLE or INTERPRET or not x2d.is_cuda or not 1 <= x2d.shape[0] <= MAX_M:
+        return False
+    if x2d.dtype not in (torch.float16, torch.bfloat16) or bits != 4:
+        return False
+    if not sm90_exactly(x2d.device.type, x2d.device.index):
+        return False
+    per_channel = scales.shape[0] == 1
+    chunks_per_group = group_size // CHUNK
+    whole_chunks = group_size % CHUNK == 0 and chunks_per_group & (chunks_per_group - 1) == 0
+    return ((per_channel or whole_chunks)
+            and x2d.stride(1) == 1 and qweight.dtype == torch.int32 and qweight.stride(1) == 1
+            and qweight.shape[1] % WORDS_PER_CHUNK == 0)
+
+
+if GLUON_AVAILABLE:
+
+    @gluon.constexpr_function
+    def _mma_layout(num_warps):
+        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+
+    @gluon.constexpr_function
+    def _regs_vector_first(bases, dim):
+        # registers that step along the memory-contiguous dim first: the loads become 16 / 8-byte vectors (a
+        # renaming of registers only, so the conversion into the operand layout stays trivial)
+        return [b for b in bases if b[dim] != 0 and sum(b) == b[dim]] + \
+               [b for b in bases if not (b[dim] != 0 and sum(b) == b[dim])]
+
+    @gluon.constexpr_function
+    def _word_layout(a_ll):
+        """[BLOCK_N, 16 words] of a chunk from the A operand's bases over (n, k'): e (k' bits 1, 2, 4) is inside
+        a word; c (k' 8, 16) and blk (k' 32, 64) pick word j = 4 c + blk."""
+        def conv(bases):
+            return [[dn, 4 * ((dk >> 3) & 3) + (dk >> 5)] for dn, dk in bases if dk not in (1, 2, 4)]
+        return gl.DistributedLinearLayout(_regs_vector_first(conv(a_ll.reg_bases), 1), conv(a_ll.lane_bases),
+                                          conv(a_ll.warp_bases), [], [a_ll.shape[0], WORDS_PER_CHUNK])
+
+    @gluon.constexpr_function
+    def _x_layout(b_ll):
+        """x as [8 fields f, 16 words j, MP] from the B operand's bases over (k', m): k' = 32 blk + 8 c + 2 p + h
+        reads k = 16 f + j with f = p + 4 h, j = 4 c + blk."""
+        def conv(bases):
+            out = []
+            for dk, dm in bases:
+                f = ((dk >> 1) & 3) + 4 * (dk & 1)
+                j = 4 * ((dk >> 3) & 3) + ((dk >> 5) & 3)
+                out.append([f, j, dm])
+            return out
+        return gl.DistributedLinearLayout(_regs_vector_first(conv(b_ll.reg_bases), 1), conv(b_ll.lane_bases),
+                                          conv(b_ll.warp_bases), [], [8, WORDS_PER_CHUNK, b_ll.shape[1]])
+
+    @gluon.jit
+    def _halves(v, DT: gl.constexpr):
+        return v.to(gl.int16).to(DT, bitcast=True), (v >> 16).to(gl.int16).to(DT, bitcast=True)
+
+    @gluon.jit
+    def _expand(words, zpair, a_layout: gl.constexpr, DT: gl.constexpr):
+        """[BLOCK_N, 16] words -> [BLOCK_N, 128] u - z in the A operand layout, k' order (module doc). Per word:
+        register pair p = ((w >> 4p) & 0x000F000F) | MAGIC2 (shift + one LOP3: ptxas splits the and / or of two
+        immediates into two LOP3s, hence the PTX) minus the pair (MAGIC + z, MAGIC + z), one packed subtract."""
+        BLOCK_N: gl.constexpr = words.shape[0]
+        if DT == gl.float16:
+            q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_F16, "=&r,=&r,=&r,=&r,r,r", [words, zpair],
+                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                       is_pure=True, pack=1)
+        else:
+            q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_BF16, "=&r,=&r,=&r,=&r,r,r", [words, zpair],
+                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                       is_pure=True, pack=1)
+        l0, h0 = _halves(q0, DT)
+        l1, h1 = _halves(q1, DT)
+        l2, h2 = _halves(q2, DT)
+        l3, h3 = _halves(q3, DT)
+        q = gl.join(gl.join(gl.join(l0, h0), gl.join(l1, h1)), gl.join(gl.join(l2, h2), gl.join(l3, h3)))
+        q = gl.reshape(q, [BLOCK_N, 4, 4, 2, 2, 2])  # [n, c, blk, h, p0, p1]
+        q = gl.permute(q, (0, 2, 1, 5, 4, 3))  # [n, blk, c, p1, p0, h]
+        return gl.convert_layout(gl.reshape(q, [BLOCK_N, _CHUNK]), a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _x_operand(xv, b_layout: gl.constexpr):
+        """x [8 f, 16 j, MP] -> the B operand [128 k', MP] (f = p + 4 h, j = 4 c + blk)."""
+        MP: gl.constexpr = xv.shape[2]
+        q = gl.reshape(xv, [2, 4, 4, 4, MP])  # [h, p, c, blk, m]
+        q = gl.permute(q, (3, 2, 1, 0, 4))  # [blk, c, p, h, m]
+        return gl.convert_layout(gl.reshape(q, [_CHUNK, MP]), b_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z, N, chunk, ok,
+                    group_chunk_shift, HAS_ZERO: gl.constexpr, PER_CHANNEL: gl.constexpr, EVEN_K: gl.constexpr):
+        # no fill values where nothing needs them (saves zeroing the registers first): rows past N and columns
+        # past M are never stored, and the mma keeps rows and columns apart; codes past K are 0, but their
+        # u - z is not, so x there must be 0
+        words = gl.load(w_ptrs + chunk * _WORDS, mask=w_mask & ok)
+        if EVEN_K:
+            xv = gl.load(x_ptrs + chunk * _CHUNK, mask=x_mask_m & ok)
+        else:
+            xv = gl.load(x_ptrs + chunk * _CHUNK, mask=x_mask_m & ok & (x_k + chunk * _CHUNK < K), other=0.0)
+        if PER_CHANNEL:
+            g = 0  # one group: its zero point for every chunk, its scale after the K loop
+            s = gl.zeros_like(rows_s, dtype=gl.float32)
+        else:
+            g = chunk >> group_chunk_shift
+            s = gl.load(s_ptr + g * N + rows_s, mask=(rows_s < N) & ok, other=0.0).to(gl.float32)
+        if HAS_ZERO:
+            z = gl.load(z_ptr + g * N + rows_z, mask=(rows_z < N) & ok, other=0)
+        else:
+            z = gl.full_like(rows_z, 8)
+        return words, xv, s, z
+
+    @gluon.jit
+    def _chunk_product(acc, w, xv, s, z, a_l: gl.constexpr, b_l: gl.constexpr, DT: gl.constexpr,
+                       MAGIC: gl.constexpr, PER_CHANNEL: gl.constexpr):
+        """acc + (u - z) x over one chunk, scaled by the chunk's group scale (per channel: after the K loop)."""
+        zz = (z + MAGIC).to(DT).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        a = _expand(w, (zz | (zz << 16))[:, None], a_l, DT)
+        b = _x_operand(xv, b_l)
+        if PER_CHANNEL:
+            return mma_v2(a, b, acc)
+        else:
+            return acc + mma_v2(a, b, gl.zeros_like(acc)) * s[:, None]
+
+    @gluon.jit
+    def _wo_mma_decode_kernel(
+        x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+        M, N, K, stride_xm, stride_wn, stride_om, chunks_per_split, splits, group_chunk_shift,
+        HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, FUSED_REDUCE: gl.constexpr,
+        PER_CHANNEL: gl.constexpr, EVEN_K: gl.constexpr, BLOCK_N: gl.constexpr, MP: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        mma: gl.constexpr = _mma_layout(num_warps)
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        w_l: gl.constexpr = _word_layout(gl.to_linear_layout(a_l, [BLOCK_N, _CHUNK]))
+        x_l: gl.constexpr = _x_layout(gl.to_linear_layout(b_l, [_CHUNK, MP]))
+        DT: gl.constexpr = x_ptr.dtype.element_ty
+        if DT == gl.float16:
+            MAGIC: gl.constexpr = 1024
+        else:
+            MAGIC: gl.constexpr = 128
+
+        pid_n = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        off_n = pid_n * BLOCK_N
+        c_begin = pid_s * chunks_per_split
+        n_steps = gl.minimum(chunks_per_split, gl.cdiv(K, _CHUNK) - c_begin)
+
+        rn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_l))
+        rj = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, w_l))
+        w_ptrs = w_ptr + rn.to(gl.int64)[:, None] * stride_wn + rj[None, :]
+        w_mask = (rn < N)[:, None] & (rj < _WORDS)[None, :]
+
+        xl2: gl.constexpr = gl.SliceLayout(2, x_l)
+        xf = gl.arange(0, 8, layout=gl.SliceLayout(1, xl2))
+        xj = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, xl2))
+        xm = gl.arange(0, MP, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_l)))
+        x_k = (16 * xf[:, None] + xj[None, :])[:, :, None]  # [8, 16, 1]: k inside a chunk
+        x_ptrs = x_ptr + xm[None, None, :] * stride_xm + x_k
+        x_mask_m = (xm < M)[None, None, :] & (x_k >= 0)
+
+        rows_s = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+        rows_z = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_l))
+
+        # two chunks in flight: each buffer is refilled as soon as its chunk is converted, while the other
+        # buffer's chunk is converted (unrolled by two, so the buffers stay in their registers: no copies)
+        wa, xa, sa, za = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z, N,
+                                     c_begin, n_steps > 0, group_chunk_shift, HAS_ZERO, PER_CHANNEL, EVEN_K)
+        wb, xb, sb, zb = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z, N,
+                                     c_begin + 1, n_steps > 1, group_chunk_shift, HAS_ZERO, PER_CHANNEL, EVEN_K)
+        acc = gl.zeros([BLOCK_N, MP], gl.float32, mma)
+        for t in range(0, n_steps, 2):
+            acc = _chunk_product(acc, wa, xa, sa, za, a_l, b_l, DT, MAGIC, PER_CHANNEL)
+            wa, xa, sa, za = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z,
+                                         N, c_begin + t + 2, t + 2 < n_steps, group_chunk_shift, HAS_ZERO,
+                                         PER_CHANNEL, EVEN_K)
+            if t + 1 < n_steps:
+                acc = _chunk_product(acc, wb, xb, sb, zb, a_l, b_l, DT, MAGIC, PER_CHANNEL)
+            wb, xb, sb, zb = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z,
+                                         N, c_begin + t + 3, t + 3 < n_steps, group_chunk_shift, HAS_ZERO,
+                                         PER_CHANNEL, EVEN_K)
+
+        cols = gl.arange(0, MP, layout=gl.SliceLayout(0, mma))
+        out_mask = (rows_s < N)[:, None] & (cols < M)[None, :]
+        if PER_CHANNEL:
+            acc = acc * gl.load(s_ptr + rows_s, mask=rows_s < N, other=0.0).to(gl.float32)[:, None]
+        if SPLIT:
+            part_offs = cols[None, :] * N + rows_s[:, None]
+            gl.store(part_ptr + pid_s * M * N + part_offs, acc, mask=out_mask)
+            if FUSED_REDUCE:
+                _cta_barrier()  # every thread's partial is stored before the release below
+                done = gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+                if done == splits - 1:
+                    total = gl.zeros([BLOCK_N, MP], gl.float32, mma)
+                    for p in range(0, splits):
+                        total += gl.load(part_ptr + p * M * N + part_offs, mask=out_mask, other=0.0,
+                                         cache_modifier=".cg")
+                    if HAS_BIAS:
+                        total += gl.load(bias_ptr + rows_s, mask=rows_s < N, other=0.0).to(gl.float32)[:, None]
+                    gl.store(out_ptr + cols[None, :] * stride_om + rows_s[:, None],
+                             total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                    gl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        else:
+            if HAS_BIAS:
+                acc += gl.load(bias_ptr + rows_s, mask=rows_s < N, other=0.0).to(gl.float32)[:, None]
+            gl.store(out_ptr + cols[None, :] * stride_om + rows_s[:, None], acc.to(out_ptr.dtype.element_ty),
+                     mask=out_mask)
+
+
+def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
+             config: Optional[MmaDecodeConfig] = None, splits: Optional[int] = None,
+             counters: Optional[torch.Tensor] = None, num_sms: Optional[int] = None) -> torch.Tensor:
+    """out [M, N] = x2d @ W.T (+ bias) for int4 codes; the caller checked `applies` and validated the arguments.
+    counters: a zeroed int32 slot per row block for the fused split-K reduction (None: a second kernel reduces)."""
+    from .weight_only import _splitk_reduce_kernel  # here, not at the top: weight_only imports this module
+
+    cfg = config or pick_config(x2d.device)
+    check_config(cfg)
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(x2d.device).multi_processor_count
+    m, k = x2d.shape
+    per_channel = scales.shape[0] == 1
+    grid_n = triton.cdiv(n, cfg.block_n)
+    total_chunks = triton.cdiv(k, CHUNK)
+    if splits is None:
+        splits = max(1, min(total_chunks, cfg.programs_per_sm * num_sms // grid_n))
+    chunks_per_split = triton.cdiv(total_chunks, splits)
+    splits = triton.cdiv(total_chunks, chunks_per_split)
+    out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
+    split = splits > 1
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out
+    fused = split and counters is not None and counters.numel() >= grid_n
+    has_bias = bias is not None
+    # groups of whole chunks, a power of two of them (validated); per channel: one group
+    group_chunk_shift = 0 if per_channel else (group_size // CHUNK).bit_length() - 1
+    _wo_mma_decode_kernel[(grid_n, splits)](
+        x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales, out, part,
+        counters if fused else scales, m, n, k, x2d.stride(0), qweight.stride(0), out.stride(0), chunks_per_split,
+        splits, group_chunk_shift,
+        HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, SPLIT=split, FUSED_REDUCE=fused, PER_CHANNEL=per_channel,
+        EVEN_K=k % CHUNK == 0, BLOCK_N=cfg.block_n, MP=8 if m <= 8 else 16, num_warps=cfg.num_warps,
+    )
+    if split and not fused:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            part, bias if has_bias else part, out, m, n, splits, out.stride(0),
+            HAS_BIAS=has_bias, BLOCK=block, INTERPRET=False, num_warps=4,
+        )
+    return out

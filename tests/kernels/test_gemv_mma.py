@@ -1,0 +1,90 @@
+"""CPU checks of the Gluon tensor-core int4 decode kernel (kernels/gemv_mma.py): configs, the scope and dispatch
+rules, and its sm90 build with this Triton (offline: no GPU needed), whose SASS must show the point of the kernel.
+The GPU tests (tests/gpu/test_gemv_mma_gpu.py) check its results."""
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+import quantfuse as qf
+from quantfuse.kernels import gemv_mma as gm
+from quantfuse.kernels import weight_only as kw
+
+
+def test_shipped_configs_are_valid_and_bad_ones_refused():
+    for cfg in gm.MMA_DECODE_CONFIGS["sm90"]:
+        gm.check_config(cfg)
+    for bad in (gm.MmaDecodeConfig(96, 4, 4), gm.MmaDecodeConfig(32, 4, 4), gm.MmaDecodeConfig(128, 3, 4),
+                gm.MmaDecodeConfig(128, 4, 0)):
+        with pytest.raises(ValueError, match="config"):
+            gm.check_config(bad)
+
+
+def test_never_applies_on_cpu_tensors_or_outside_its_scope():
+    qw = qf.quantize_weight(torch.randn(64, 256), bits=4, group_size=128)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    assert not gm.applies(x, qw.qweight, qw.scales, 4, 128, 256)  # CPU tensors: the tl kernels (interpreter)
+    y = qf.weight_only_mm(x, qw)
+    assert y.shape == (1, 64)
+
+
+def test_prefer_rule():
+    assert kw.prefer_gemv_mma(1, 28672, 4096)
+    assert kw.prefer_gemv_mma(1, 14336, 4096)
+    assert not kw.prefer_gemv_mma(1, 6144, 4096)  # the tl GEMV is ahead on the small M = 1 shapes
+    assert kw.prefer_gemv_mma(2, 4096, 4096) and kw.prefer_gemv_mma(8, 4096, 4096)
+    assert not kw.prefer_gemv_mma(8, 1024, 4096)
+    assert not kw.prefer_gemv_mma(9, 28672, 4096) and not kw.prefer_gemv_mma(16, 28672, 4096)
+
+
+def _compile_sm90(dtype="bf16", per_channel=False, has_zero=False, mp=8, cfg=None):
+    """The kernel built for sm90 by this Triton, with the launcher's divisibility specializations (Triton
+    internals: GluonASTSource, GPUTarget)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = cfg or gm.MMA_DECODE_CONFIGS["sm90"][0]
+    fn = gm._wo_mma_decode_kernel
+    names = fn.arg_names
+    consts = dict(HAS_ZERO=has_zero, HAS_BIAS=True, SPLIT=True, FUSED_REDUCE=True, PER_CHANNEL=per_channel,
+                  EVEN_K=True, BLOCK_N=cfg.block_n, MP=mp, num_warps=cfg.num_warps)
+    ptrs = dict(x_ptr="*" + dtype, w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", bias_ptr="*" + dtype,
+                out_ptr="*" + dtype, part_ptr="*fp32", count_ptr="*i32")
+    sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in names}
+    div = {(names.index(a),): [["tt.divisibility", 16]] for a in names
+           if a.endswith("_ptr") or a in ("N", "K", "stride_xm", "stride_wn", "stride_om")}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=div)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
+
+
+@pytest.mark.skipif(not gm.GLUON_AVAILABLE, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("dtype,per_channel,has_zero,mp", [("bf16", False, False, 8), ("fp16", True, True, 16)])
+def test_sm90_build_converts_in_registers_without_spills(dtype, per_channel, has_zero, mp, tmp_path):
+    """The point of the kernel, on its sm90 SASS: the weight comes in 16-byte loads, x in 8-byte ones; per int4
+    word one packed subtract for each of its four register pairs (HADD2, two weights each) feeds HMMA directly
+    (the expansion into the operand layout is asserted trivial at build time, so no shuffles or shared memory
+    in the loop), and nothing spills."""
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this Triton wheel bundles no cuobjdump")
+    kernel = _compile_sm90(dtype, per_channel, has_zero, mp)
+    path = str(tmp_path / "gemv_mma.cubin")
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    sass = subprocess.check_output([cuobjdump, "-sass", path], text=True)
+    suffix = r"\.BF16" if dtype == "bf16" else ""  # ptxas spells the float16 one HMMA.16816.F32
+    assert re.search(rf"\bHMMA\.16816\.F32{suffix}\s", sass)
+    assert re.search(r"\bLDG\.E\.128\b", sass), "the packed words should come 16 bytes at a time"
+    assert re.search(r"\bLDG\.E\.64\b", sass), "x should come 4 values (8 bytes) at a time"
+    hadd = len(re.findall(r"\bHADD2(\.BF16_V2)?\b", sass))
+    hmma = len(re.findall(r"\bHMMA\.16816\b", sass))
+    # per chunk and 16-row tile: 8 words x 4 pairs = 32 HADD2 per lane, 8 x (mp / 8) HMMA (a few HADD2 outside
+    # the loop in float16: the epilogue)
+    assert 4 * hmma <= hadd * (mp // 8) <= 4 * hmma + 16, (hadd, hmma)
+    assert not re.search(r"\b(STL|LDL)\b", sass), "register spills"
