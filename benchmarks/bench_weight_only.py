@@ -131,8 +131,7 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
     return f"fused {tile['block_m']}x{tile['block_n']} splitK={splits}"
 
 
-def rel_err(a, b) -> float:
-    return float((a.float() - b.float()).abs().mean() / b.float().abs().mean().clamp_min(1e-30))
+rel_err = common.mean_rel_diff
 
 
 def bench_shape(k, n, ms, bits, bw, rows, tinygemm_status, start):

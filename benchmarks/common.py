@@ -90,6 +90,16 @@ def time_ms(
     return triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
 
 
+def graph_us(fn: Callable, arg_sets: Sequence, warmup: int = 10, rep: int = 50) -> float:
+    """`time_ms` under a CUDA graph, in microseconds (the tuners' decode timings)."""
+    return time_ms(fn, arg_sets, graph=True, warmup=warmup, rep=rep) * 1e3
+
+
+def mean_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """mean |a - b| / mean |b| in float32 (b the reference)."""
+    return float((a.float() - b.float()).abs().mean() / b.float().abs().mean().clamp_min(1e-30))
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     import triton

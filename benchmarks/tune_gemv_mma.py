@@ -50,12 +50,8 @@ def _env_list(name, default, conv):
     return default if not spec else [conv(v) for v in spec.split(",") if v]
 
 
-def t(fn, sets):
-    return common.time_ms(fn, sets, graph=True, warmup=10, rep=50) * 1e3
-
-
-def rel(a, b):
-    return float((a.float() - b.float()).abs().mean() / b.float().abs().mean().clamp_min(1e-30))
+t = common.graph_us
+rel = common.mean_rel_diff
 
 
 def main():

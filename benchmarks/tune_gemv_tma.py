@@ -52,12 +52,8 @@ def _kn():
     return [tuple(int(v) for v in item.split(":")) for item in spec.split(",") if item]
 
 
-def t(fn, sets):
-    return common.time_ms(fn, sets, graph=True, warmup=10, rep=50) * 1e3
-
-
-def rel(a, b):
-    return float((a.float() - b.float()).abs().mean() / b.float().abs().mean().clamp_min(1e-30))
+t = common.graph_us
+rel = common.mean_rel_diff
 
 
 def main():

@@ -316,7 +316,7 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
              counters: Optional[torch.Tensor] = None, num_sms: Optional[int] = None) -> torch.Tensor:
     """out [M, N] = x2d @ W.T (+ bias) for int4 codes; the caller checked `applies` and validated the arguments.
     counters: a zeroed int32 slot per row block for the fused split-K reduction (None: a second kernel reduces)."""
-    from .weight_only import _splitk_reduce_kernel  # here, not at the top: weight_only imports this module
+    from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
 
     cfg = config or pick_config(x2d.device)
     check_config(cfg)
@@ -345,9 +345,5 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
         EVEN_K=k % CHUNK == 0, BLOCK_N=cfg.block_n, MP=8 if m <= 8 else 16, num_warps=cfg.num_warps,
     )
     if split and not fused:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            part, bias if has_bias else part, out, m, n, splits, out.stride(0),
-            HAS_BIAS=has_bias, BLOCK=block, INTERPRET=False, num_warps=4,
-        )
+        splitk_reduce(part.view(splits, -1, n), bias, out)
     return out

@@ -264,7 +264,7 @@ def gemv_tma(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
              counters: Optional[torch.Tensor] = None, num_sms: Optional[int] = None) -> torch.Tensor:
     """out [1, N] = x2d @ W.T (+ bias); the caller checked `applies` and validated the arguments. counters:
     a zeroed int32 slot per row block for the fused split-K reduction (None: a second kernel reduces)."""
-    from .weight_only import _splitk_reduce_kernel  # here, not at the top: weight_only imports this module
+    from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
 
     cfg = config or pick_config(bits, x2d.device)
     check_config(cfg)
@@ -296,9 +296,5 @@ def gemv_tma(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
         FUSED_REDUCE=fused, PER_CHANNEL=per_channel, K_MULTIPLE_OF_16=k % 16 == 0, STAGES=cfg.stages, num_warps=cfg.num_warps,
     )
     if split and not fused:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(n, block),)](
-            part, bias if has_bias else part, out, 1, n, splits, out.stride(0),
-            HAS_BIAS=has_bias, BLOCK=block, INTERPRET=False, num_warps=4,
-        )
+        splitk_reduce(part.view(splits, -1, n), bias, out)
     return out

@@ -778,6 +778,17 @@ def _splitk_reduce_kernel(
     tl.store(out_ptr + m * stride_om + n, cast_to(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
+def splitk_reduce(part: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """out [M, N] = the sum of the float32 split-K partials part [splits, M, N] (+ bias), rounded once: the
+    second kernel of the split-K products that have no counter slot for the fused reduction."""
+    splits, m, n = part.shape
+    block = 1024
+    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+        part, bias if bias is not None else part, out, m, n, splits, out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK=block, INTERPRET=INTERPRET, num_warps=4,
+    )
+
+
 @triton.jit
 def _dequant_kernel(
     w_ptr, s_ptr, z_ptr, out_ptr, N, K, num_groups, group_size, stride_wn, stride_on,
@@ -1001,11 +1012,7 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **extra,
     )
     if split and not fused:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            part, bias if has_bias else part, out, m, n, splits, out.stride(0),
-            HAS_BIAS=has_bias, BLOCK=block, INTERPRET=INTERPRET, num_warps=4,
-        )
+        splitk_reduce(part, bias, out)
     return out
 
 
