@@ -1,12 +1,12 @@
 """Sweep the Gluon tensor-core int4 decode kernel's configs (kernels/gemv_mma.py) against the shipped path
-(`weight_only.weight_only_mm` with this kernel switched off), bf16 F.linear and tinygemm at M = 1..16, in one run on the GPU
-(issues 5 and 6: weight-only decode).
+(`weight_only.weight_only_mm` with this kernel switched off), bf16 F.linear and tinygemm at M = 1..16, in one run
+on the GPU (issues 5 and 6: weight-only decode).
 
 Per (K, N, M): CUDA-graph medians with the weights rotated past L2 (common.time_ms): bf16 F.linear on the
 dequantized weight, torch.ops.aten._weight_int4pack_mm (tinygemm), the shipped dispatch, and each MmaDecodeConfig
 (fused split-K reduction; the first config also with the reduce kernel). Each config's output is first compared
-with x @ W.T in float32 for the unrounded W = (u - z) s (mean |delta| / mean |ref|; the shipped path's error is reported too); a config over
-3e-3 (a bf16 output rounding is ~1e-3) is reported and not timed.
+with x @ W.T in float32 for the unrounded W = (u - z) s (mean |delta| / mean |ref|; the shipped path's error is
+reported too); a config over 3e-3 (a bf16 output rounding is ~1e-3) is reported and not timed.
 W4A16 g128 symmetric, float32 scales, bf16 x. Env: TUNE_CONFIGS ("block_n,warps,programs_per_sm;..."),
 TUNE_KN ("K:N,..."), TUNE_M ("1,16"), TUNE_OUT_NAME (default tune_gemv_mma).
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_gemv_mma.py
@@ -24,14 +24,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from bench_weight_only import clone_qw, qw_bytes, tinygemm, tinygemm_pack  # noqa: E402
+from tune_gemv_tma import _kn  # noqa: E402  (the same shapes and TUNE_KN spelling)
 
 import quantfuse as qf  # noqa: E402
 from quantfuse.kernels import gemv_mma as gm  # noqa: E402
 from quantfuse.kernels import weight_only as kw  # noqa: E402
 
 BF16 = torch.bfloat16
-DEFAULT_KN = [(4096, 6144), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192), (4096, 4096), (4096, 1024),
-              (4096, 14336)]
 
 
 def _configs():
@@ -45,22 +44,13 @@ def _short(c) -> str:
     return f"{c.block_n} w{c.num_warps} p{c.programs_per_sm}"
 
 
-def _env_list(name, default, conv):
-    spec = os.environ.get(name)
-    return default if not spec else [conv(v) for v in spec.split(",") if v]
-
-
-t = common.graph_us
-rel = common.mean_rel_diff
-
-
 def main():
     torch.manual_seed(0)
     dev = torch.device("cuda")
     bw = common.copy_bandwidth_gbs()
     print(f"copy {bw:.0f} GB/s", flush=True)
-    kns = _env_list("TUNE_KN", DEFAULT_KN, lambda s: tuple(int(v) for v in s.split(":")))
-    ms = _env_list("TUNE_M", [1, 2, 4, 8, 16], int)
+    kns = _kn()
+    ms = [int(v) for v in os.environ.get("TUNE_M", "1,2,4,8,16").split(",") if v]
     rows = []
     start = time.time()
     for k, n in kns:
@@ -79,8 +69,8 @@ def main():
             x = torch.randn(m, k, device=dev, dtype=BF16)
             sets = [(x, q) for q in qw_sets]
             base = dict(K=k, N=n, M=m)
-            bf16_us = t(F.linear, [(x, w) for w in w_sets])
-            tiny_us = t(tinygemm, [(x,) + p for p in tg]) if tg else float("nan")
+            bf16_us = common.graph_us(F.linear, [(x, w) for w in w_sets])
+            tiny_us = common.graph_us(tinygemm, [(x,) + p for p in tg]) if tg else float("nan")
 
             ref = x.float() @ w32.t()  # the unrounded-weight product, what the kernel computes
 
@@ -91,12 +81,13 @@ def main():
             kw.prefer_gemv_mma = lambda *a: False  # the dispatch without this kernel
             try:
                 want = shipped(x, qw)
-                ship_us = t(shipped, sets)
+                ship_us = common.graph_us(shipped, sets)
             finally:
                 kw.prefer_gemv_mma = prefer
             rows.append(dict(base, config="shipped dispatch", us=ship_us, bf16_us=bf16_us, tinygemm_us=tiny_us,
                              vs_bf16=bf16_us / ship_us, vs_tinygemm=tiny_us / ship_us, vs_shipped=1.0,
-                             frac_copy_bw=nbytes / (ship_us * 1e-6) / 1e9 / bw, rel_err=rel(want, ref)))
+                             frac_copy_bw=nbytes / (ship_us * 1e-6) / 1e9 / bw,
+                             rel_err=common.mean_rel_diff(want, ref)))
             variants = [(c, True) for c in _configs()] + [(_configs()[0], False)]
             for cfg, fused in variants:
                 def ours(x_, q, cfg=cfg, fused=fused):
@@ -107,7 +98,7 @@ def main():
 
                 label = _short(cfg) + ("" if fused else " reduce-kernel")
                 try:
-                    err = rel(ours(x, qw), ref)
+                    err = common.mean_rel_diff(ours(x, qw), ref)
                 except Exception as e:  # noqa: BLE001 - a config the kernel refuses is reported, not fatal
                     rows.append(dict(base, config=label, error=f"{type(e).__name__}: {str(e)[:300]}"))
                     print(rows[-1], flush=True)
@@ -116,7 +107,7 @@ def main():
                     rows.append(dict(base, config=label, rel_err=err, error="mismatch"))
                     print(rows[-1], flush=True)
                     continue
-                us = t(ours, sets)
+                us = common.graph_us(ours, sets)
                 rows.append(dict(base, config=label, us=us, bf16_us=bf16_us, tinygemm_us=tiny_us,
                                  vs_bf16=bf16_us / us, vs_tinygemm=tiny_us / us, vs_shipped=ship_us / us,
                                  frac_copy_bw=nbytes / (us * 1e-6) / 1e9 / bw, rel_err=err))
