@@ -28,7 +28,9 @@ SCHEMES = {
     "fp8_dynamic_unfused": lambda: qf.Fp8DynamicConfig(fuse_gated_mlp=False),
     "fp8_block": lambda: qf.Fp8BlockConfig(),
     "int4_weight_only": lambda: qf.Int4WeightOnlyConfig(group_size=128),
+    "int4_weight_only_unmerged": lambda: qf.Int4WeightOnlyConfig(group_size=128, merge_projections=False),
     "int8_weight_only": lambda: qf.Int8WeightOnlyConfig(),
+    "int8_weight_only_unmerged": lambda: qf.Int8WeightOnlyConfig(merge_projections=False),
 }
 # (label, tokens, CUDA graph): prefill both eager (what a plain PyTorch caller sees, CPU launch overhead
 # included) and graphed (the GPU time alone)
@@ -62,9 +64,22 @@ def layer_fn(layer, rope):
     return run
 
 
+def merged_bf16_linears(layer):
+    """The bf16 peer with q|k|v and gate|up stacked (what an engine with merged projections runs): four
+    F.linear calls on the layer's own weights."""
+    import torch.nn.functional as F
+
+    att, mlp = layer.self_attn, layer.mlp
+    w_qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).contiguous()
+    w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()
+    w_o, w_d = att.o_proj.weight, mlp.down_proj.weight
+    return lambda x, xi: [F.linear(x, w_qkv), F.linear(x, w_o), F.linear(x, w_gu), F.linear(xi, w_d)]
+
+
 def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     base, rope = build_layer()
+    bf16_merged = merged_bf16_linears(base)
     layers = {"bf16": base}
     for scheme, make in SCHEMES.items():
         q = copy.deepcopy(base)
@@ -89,17 +104,25 @@ def main():
             with torch.no_grad():
                 layer_t = time_ms(layer_fn(layer, rope), inputs, graph=graph)
             times[name] = (layer_t, lin_t)
+        with torch.no_grad():
+            times["bf16_merged_linears"] = (float("nan"), time_ms(bf16_merged, lin_inputs, graph=graph))
         for name, (layer_t, lin_t) in times.items():
             base_layer, base_lin = times["bf16"]
             rows.append(dict(shape=label, tokens=tokens, scheme=name, layer_us=layer_t * 1e3, linears_us=lin_t * 1e3,
-                             layer_speedup=base_layer / layer_t,
-                             linears_speedup=(base_lin / lin_t) if lin_t == lin_t else float("nan")))
+                             layer_speedup=(base_layer / layer_t) if layer_t == layer_t else float("nan"),
+                             linears_speedup=(base_lin / lin_t) if lin_t == lin_t else float("nan"),
+                             linears_vs_bf16_merged=(times["bf16_merged_linears"][1] / lin_t)
+                             if lin_t == lin_t else float("nan")))
             print(rows[-1], flush=True)
     print_table(rows)
     write_result("model_layer", "Llama-3-8B decoder layer: bf16 vs quantfuse schemes (H100)", rows,
                  notes="Decode: batch b, one token per sequence, no KV cache, CUDA graphs. Prefill: 2048 tokens, "
                        "eager and under a CUDA graph. linears = the seven projections alone (n/a where the gated MLP is fused: "
-                       "fp8_block, int8_dynamic, fp8_dynamic; the *_unfused rows run the same scheme layer by layer).")
+                       "fp8_block, int8_dynamic, fp8_dynamic; the *_unfused rows run the same scheme layer by layer). "
+                       "Weight-only schemes merge q|k|v and gate|up into one GEMM each (MergedProjections; the "
+                       "linears are called as the layer calls them, q/k/v and gate/up on one tensor); *_unmerged: "
+                       "seven GEMMs. bf16_merged_linears: the bf16 weights stacked the same way (4 F.linear), "
+                       "linears only; speedups are against the bf16 layer as transformers runs it.")
 
 
 if __name__ == "__main__":

@@ -508,3 +508,166 @@ def test_compressed_tensors_decompresses_our_files(config, tmp_path):
             assert torch.equal(theirs, mine), (ct.__version__, name)
             checked += 1
     assert checked == len(ours) > 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Merged projections (weight-only: q/k/v and gate/up as one GEMM)
+# ----------------------------------------------------------------------------------------------------
+def _weight_only_layers(bits=4, group_size=64):
+    torch.manual_seed(11)
+    specs = [(96, True, True), (32, False, False), (40, True, True)]  # (N, bias, symmetric)
+    return [qm.WeightOnlyLinear.from_linear(nn.Linear(128, n, bias=b), bits=bits, group_size=group_size,
+                                            symmetric=s) for n, b, s in specs]
+
+
+def _counting_gemm(monkeypatch):
+    calls = []
+    original = qm.ops.weight_only_mm
+
+    def counting(x, qw, bias=None):
+        calls.append(qw.shape)
+        return original(x, qw, bias)
+
+    monkeypatch.setattr(qm.ops, "weight_only_mm", counting)
+    return calls
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 64), (8, -1), (4, 128)])
+def test_merged_projections_equal_the_layers_alone(bits, group_size, monkeypatch):
+    """One GEMM over [W_q; W_k; W_v] (mixed bias / zero points) serves the three layers; each output is the
+    layer's own (bf16 and float32 inputs; the CPU reference path sums each output in the same order)."""
+    import gc
+
+    layers = _weight_only_layers(bits, group_size)
+    calls = _counting_gemm(monkeypatch)
+    group = qm.MergedProjections(layers)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(2, 5, 128).to(dtype)
+        calls.clear()
+        merged = [layer(x) for layer in layers]
+        assert calls == [(168, 128)]
+        group.enabled = False
+        try:
+            alone = [layer(x) for layer in layers]
+        finally:
+            group.enabled = True
+        assert [c[0] for c in calls[1:]] == [96, 32, 40]
+        for a, b, layer in zip(merged, alone, layers):
+            assert a.shape == (2, 5, layer.out_features) and a.dtype == dtype
+            torch.testing.assert_close(a, b, rtol=1e-6 if dtype == torch.float32 else 0, atol=0)
+    # cache rules: a member served twice, an in-place write to x or to an output, another tensor: recompute
+    x = torch.randn(3, 128)
+    calls.clear()
+    q, k = layers[0](x), layers[1](x)
+    assert len(calls) == 1
+    layers[1](x)
+    assert len(calls) == 2
+    x2 = torch.randn(3, 128)
+    q = layers[0](x2)
+    q.mul_(0.0)  # the outputs are views of one tensor: writing one invalidates the entry
+    v = layers[2](x2)
+    assert len(calls) == 4
+    group.enabled = False
+    torch.testing.assert_close(v, layers[2](x2), rtol=1e-6, atol=0)
+    group.enabled = True
+    calls.clear()
+    layers[0](x2)  # the entry made by layers[2] on this x2 serves it
+    assert len(calls) == 0
+    x2.add_(1.0)
+    layers[1](x2)
+    layers[2](x2.clone())
+    assert len(calls) == 2
+    del x, x2, q, k, v
+    gc.collect()
+    assert group._entry is None  # nothing kept once the input is gone
+    group.split()
+    assert all(layer._merged is None for layer in layers)
+
+
+def test_merged_projections_refuse_mismatched_layers():
+    a = qm.WeightOnlyLinear.from_linear(nn.Linear(128, 32), bits=4, group_size=64)
+    with pytest.raises(TypeError, match="two or more"):
+        qm.MergedProjections([a])
+    with pytest.raises(ValueError, match="in_features"):
+        qm.MergedProjections([a, qm.WeightOnlyLinear.from_linear(nn.Linear(256, 32), bits=4, group_size=64)])
+    with pytest.raises(ValueError, match="group_size"):
+        qm.MergedProjections([a, qm.WeightOnlyLinear.from_linear(nn.Linear(128, 32), bits=4, group_size=128)])
+    with pytest.raises(ValueError, match="scales"):
+        qm.MergedProjections([a, qm.WeightOnlyLinear.from_linear(nn.Linear(128, 32), bits=4, group_size=64,
+                                                                 scale_dtype=torch.bfloat16)])
+    b = qm.WeightOnlyLinear.from_linear(nn.Linear(128, 16), bits=4, group_size=64)
+    qm.MergedProjections([a, b])
+    with pytest.raises(ValueError, match="already"):
+        qm.MergedProjections([b, qm.WeightOnlyLinear.from_linear(nn.Linear(128, 16), bits=4, group_size=64)])
+    from quantfuse.weights import QuantizedWeight
+
+    qa, qb = a.quantized_weight(), b.quantized_weight()
+    with pytest.raises(ValueError, match="perm"):
+        QuantizedWeight.concat_rows([qa, QuantizedWeight(qb.qweight, qb.scales, qb.zeros, 4, 64, qb.shape,
+                                                         torch.arange(128))])
+    with pytest.raises(TypeError, match="QuantizedWeight"):
+        QuantizedWeight.concat_rows([])
+
+
+def test_merged_projections_in_a_transformers_llama_layer(monkeypatch, tmp_path):
+    """int4 weight-only on transformers' Llama layer: q/k/v and gate/up merge, a layer call runs 4 GEMMs
+    instead of 7 with the output of the unmerged layer; the merge survives deepcopy, .to() and a checkpoint
+    (save -> load gives the same groups); merge_projections=False leaves seven GEMMs."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=1, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(5)
+    base = LlamaDecoderLayer(cfg, layer_idx=0).eval()
+    rope = LlamaRotaryEmbedding(cfg)
+    layer = copy.deepcopy(base)
+    quantize_(layer, Int4WeightOnlyConfig(group_size=64), progress=False)
+    assert sorted(qm.merged_groups(layer)) == [("mlp.gate_proj", "mlp.up_proj"),
+                                               ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")]
+    calls = _counting_gemm(monkeypatch)
+    x = torch.randn(2, 7, 128, dtype=torch.bfloat16)
+    pos = torch.arange(7)[None].expand(2, 7)
+
+    def run(model):
+        with torch.no_grad():
+            out = model.to(torch.bfloat16)(x, position_embeddings=tuple(t.to(torch.bfloat16) for t in rope(x, pos)),
+                                           position_ids=pos, attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out
+
+    merged = run(layer)
+    assert len(calls) == 4
+    for group in qm.merged_groups(layer).values():
+        group.enabled = False
+    alone = run(layer)
+    assert len(calls) == 4 + 7
+    torch.testing.assert_close(merged, alone, rtol=1e-2, atol=1e-2)
+    for group in qm.merged_groups(layer).values():
+        group.enabled = True
+
+    twin = copy.deepcopy(layer)
+    assert sorted(qm.merged_groups(twin)) == sorted(qm.merged_groups(layer))
+    assert all(m in dict(twin.named_modules()).values() for g in qm.merged_groups(twin).values() for m in g.members)
+    calls.clear()
+    assert torch.equal(run(twin), merged) and len(calls) == 4
+
+    save_quantized(layer, tmp_path)
+    info = json.loads((tmp_path / "quantfuse.json").read_text())
+    assert sorted(map(tuple, info["merged_projections"])) == sorted(qm.merged_groups(layer))
+    skeleton = LlamaDecoderLayer(cfg, layer_idx=0).eval()
+    loaded = load_quantized(tmp_path, skeleton)
+    assert sorted(qm.merged_groups(loaded)) == sorted(qm.merged_groups(layer))
+    calls.clear()
+    assert torch.equal(run(loaded), merged) and len(calls) == 4
+
+    plain = copy.deepcopy(base)
+    quantize_(plain, Int4WeightOnlyConfig(group_size=64, merge_projections=False), progress=False)
+    assert qm.merged_groups(plain) == {}
+    calls.clear()
+    torch.testing.assert_close(run(plain), alone, rtol=0, atol=0)
+    assert len(calls) == 7
+    with pytest.raises(TypeError, match="merge_projections"):
+        Int4WeightOnlyConfig(merge_projections=1)

@@ -22,7 +22,7 @@ from typing import Dict, Optional, Union
 import torch
 from torch import nn
 
-from .modules import GATED_MLP_CLASSES, MODULE_CLASSES, GatedMLP, QuantizedLinear
+from .modules import GATED_MLP_CLASSES, MODULE_CLASSES, GatedMLP, MergedProjections, QuantizedLinear, merged_groups
 
 TENSORS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -122,7 +122,8 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike]) -> str:
 
     with open(os.path.join(directory, QUANTFUSE_FILE), "w") as f:
         json.dump({"format_version": FORMAT_VERSION, "quantfuse_version": __version__,
-                   "has_hf_config": hasattr(hf_config, "to_dict"), "modules": modules}, f, indent=2)
+                   "has_hf_config": hasattr(hf_config, "to_dict"), "modules": modules,
+                   "merged_projections": [list(names) for names in merged_groups(model)]}, f, indent=2)
     return directory
 
 
@@ -231,6 +232,11 @@ def load_quantized(directory: Union[str, os.PathLike], model_skeleton_or_hf_dir:
                          f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                          f"{' ...' if len(unexpected) > 5 else ''}")
     model.load_state_dict(rest, strict=False, assign=True)
+    for names in info.get("merged_projections", []):
+        try:
+            MergedProjections([model.get_submodule(n) for n in names])
+        except (AttributeError, TypeError, ValueError) as err:
+            raise ValueError(f"{QUANTFUSE_FILE}: cannot merge the projections {names}: {err}") from err
     model.eval()
     if device is not None:
         model.to(device)

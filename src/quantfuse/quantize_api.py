@@ -35,6 +35,7 @@ from .modules import (
     Int8StaticLinear,
     QuantizedLinear,
     WeightOnlyLinear,
+    merge_projections,
 )
 from .weights import check_scale_dtype
 
@@ -172,12 +173,16 @@ class Int4WeightOnlyConfig(QuantConfig):
     M <= 16, 10-30% slower at M = 32..128; kernels/weight_only.py); "auto": the layer's weight dtype where
     the packed conversion can use it, else float32. A 16-bit scale is the float32 one rounded up and the
     codes are computed with it (RTN); GPTQ keeps its codes and rounds its scales to nearest (w_hat moves
-    by at most 2^-9 relative)."""
+    by at most 2^-9 relative). merge_projections: sibling layers that read one tensor (q_proj / k_proj /
+    v_proj, gate_proj / up_proj, ...: `modules.MERGE_GROUPS`) run as one GEMM over their stacked weights
+    (`modules.MergedProjections`; their outputs are column views of one tensor); layers and checkpoints
+    stay as they are."""
 
     group_size: int = 128
     symmetric: bool = True
     algorithm: str = "rtn"
     scale_dtype: Any = None  # None, "auto" or a torch.dtype
+    merge_projections: bool = True
     scheme = "int4_weight_only"
     bits = 4
 
@@ -185,8 +190,9 @@ class Int4WeightOnlyConfig(QuantConfig):
         self._check_common()
         if isinstance(self.group_size, bool) or self.group_size not in (32, 64, 128, 256, -1):
             raise ValueError(f"group_size: expected one of (32, 64, 128, 256, -1), got {self.group_size!r}")
-        if not isinstance(self.symmetric, bool):
-            raise TypeError(f"symmetric: expected a bool, got {type(self.symmetric).__name__}")
+        for flag in ("symmetric", "merge_projections"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag}: expected a bool, got {type(getattr(self, flag)).__name__}")
         if self.algorithm not in WEIGHT_ALGORITHMS:
             raise ValueError(f"algorithm: expected one of {WEIGHT_ALGORITHMS}, got {self.algorithm!r}")
         if self.scale_dtype != "auto":
@@ -487,6 +493,7 @@ def quantize_(model: nn.Module, config: QuantConfig, calibration_data: Optional[
                              + f") cannot take scheme {scheme}: {err}. "
                              "Add it to skip or give it another config in overrides.") from err
         _set_module(model, name, new)
+    merge_projections(model, only=lambda n: getattr(chosen.get(n), "merge_projections", False))
     return model
 
 

@@ -12,7 +12,7 @@ activation), and `dequantize` returns the weight in the original column order.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -160,6 +160,33 @@ class QuantizedWeight:
             scales = scales.to(torch.float32)
         return cls(pack_codes(u, bits), scales.contiguous(), zeros, bits, group_size,
                    (n, k), None if perm is None else perm.to(torch.int64).contiguous())
+
+    @classmethod
+    def concat_rows(cls, parts: Sequence["QuantizedWeight"]) -> "QuantizedWeight":
+        """One weight whose output channels are those of `parts` in order ([W_0; W_1; ...], N = sum N_i),
+        for layers that read the same input (attention's q/k/v, a gated MLP's gate/up): one GEMM then
+        streams all of them. The parts must agree on K, bits, group size, scale dtype and device and have
+        no act-order permutation. Codes, scales and zero points are copied, not changed (a symmetric part
+        gets its implicit zero point 2^(bits-1) written out when another part is asymmetric)."""
+        parts = list(parts)
+        if not parts or not all(isinstance(p, QuantizedWeight) for p in parts):
+            raise TypeError("parts: expected a non-empty sequence of QuantizedWeight")
+        first = parts[0]
+        for i, p in enumerate(parts):
+            if p.perm is not None:
+                raise ValueError(f"parts[{i}]: act-order weights (perm) cannot share a GEMM with other layers")
+            for attr in ("bits", "group_size", "device"):
+                if getattr(p, attr) != getattr(first, attr):
+                    raise ValueError(f"parts[{i}]: expected {attr}={getattr(first, attr)} as parts[0], "
+                                     f"got {getattr(p, attr)}")
+            if p.shape[1] != first.shape[1] or p.scales.dtype != first.scales.dtype:
+                raise ValueError(f"parts[{i}]: expected K={first.shape[1]} and {first.scales.dtype} scales as "
+                                 f"parts[0], got K={p.shape[1]} and {p.scales.dtype}")
+        zeros = None
+        if any(not p.symmetric for p in parts):
+            zeros = torch.cat([p.zero_points() for p in parts], dim=1)
+        return cls(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts], dim=1), zeros,
+                   first.bits, first.group_size, (sum(p.shape[0] for p in parts), first.shape[1]))
 
     @property
     def symmetric(self) -> bool:

@@ -1,0 +1,142 @@
+"""Merged weight-only projections on the GPU (`modules.MergedProjections`: q/k/v and gate/up as one GEMM).
+
+What is checked, at Llama-3-8B sizes (hidden 4096, 32 query and 8 key/value heads, MLP 14336), so the merged
+GEMMs take the shipped decode kernels (q|k|v 6144 x 4096; gate|up 28672 x 4096 on the tensor-core decode
+kernel at M = 1):
+- every member's slice of the merged GEMM against the member run alone: both are the GEMM's result for that
+  layer up to float32 summation order (the merged GEMM may split K differently), so they may differ by at
+  most two output roundings: |merged - alone| <= 2 (2^-7 + 2^-14) (|x| @ |w_hat|.T) + |bias| terms (bf16),
+  M in {1, 4, 16, 33}, int4 g128 symmetric / asymmetric with bias, int8 per channel;
+- a CUDA graph captured over q, k, v (one GEMM in the graph) replays on new input data to the members'
+  results, and an eager call after the capture computes afresh (an entry made in a capture never serves);
+- torch.compile of a function calling the members runs them one by one, to the same values;
+- a transformers LlamaDecoderLayer (hidden 1024) quantized int4: the merged layer's output against the
+  unmerged one's, and 4 GEMM launches per call instead of 7.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import quantfuse as qf
+from quantfuse import modules as qm
+
+pytestmark = pytest.mark.gpu
+
+BF16 = torch.bfloat16
+DEV = "cuda"
+REL = 2.0**-7 + 2.0**-14
+
+
+def _layers(bits, group_size, symmetric, sizes=(4096, 1024, 1024), k=4096, bias=True):
+    torch.manual_seed(21)
+    out = []
+    for i, n in enumerate(sizes):
+        lin = nn.Linear(k, n, bias=bias and i != 1, device=DEV, dtype=BF16)  # the middle one has no bias
+        with torch.no_grad():
+            lin.weight.normal_(0.0, 0.02)
+        out.append(qm.WeightOnlyLinear.from_linear(lin, bits=bits, group_size=group_size, symmetric=symmetric))
+    return out
+
+
+def _assert_two_roundings(merged, alone, x, layer):
+    w = layer.dequantized_weight(torch.float32)
+    scale = x.reshape(-1, x.shape[-1]).float().abs() @ w.abs().t()
+    if layer.bias is not None:
+        scale = scale + layer.bias.float().abs()
+    err = (merged.float() - alone.float()).reshape(scale.shape).abs()
+    bad = err > 2 * REL * scale
+    assert not bool(bad.any()), f"{int(bad.sum())} outputs beyond two roundings; worst {float((err / scale).max()):.3g}"
+
+
+@pytest.mark.parametrize("bits,group_size,symmetric", [(4, 128, True), (4, 128, False), (8, -1, True)])
+@pytest.mark.parametrize("sizes", [(4096, 1024, 1024), (14336, 14336)], ids=["qkv", "gate_up"])
+def test_merged_slices_match_each_layer(bits, group_size, symmetric, sizes):
+    layers = _layers(bits, group_size, symmetric, sizes)
+    group = qm.MergedProjections(layers)
+    for m in (1, 4, 16, 33):
+        x = torch.randn(m, 4096, device=DEV, dtype=BF16)
+        merged = [layer(x) for layer in layers]
+        group.enabled = False
+        alone = [layer(x) for layer in layers]
+        group.enabled = True
+        for a, b, layer in zip(merged, alone, layers):
+            assert a.shape == b.shape == (m, layer.out_features) and a.dtype == BF16
+            _assert_two_roundings(a, b, x, layer)
+
+
+def test_cuda_graph_capture_and_eager_after():
+    layers = _layers(4, 128, True)
+    group = qm.MergedProjections(layers)
+    static = torch.randn(1, 4096, device=DEV, dtype=BF16)
+    [layer(static) for layer in layers]  # build the stacked weight and compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = [layer(static) for layer in layers]
+    new = torch.randn(1, 4096, device=DEV, dtype=BF16)
+    static.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [c.clone() for c in captured]
+    eager = [layer(static) for layer in layers]  # after the capture: computed afresh, not the capture's entry
+    group.enabled = False
+    alone = [layer(new) for layer in layers]
+    group.enabled = True
+    for r, e, a, layer in zip(replayed, eager, alone, layers):
+        assert torch.equal(r, e)
+        _assert_two_roundings(r, a, new, layer)
+
+
+def test_torch_compile_runs_members_alone():
+    layers = _layers(4, 128, False)
+    qm.MergedProjections(layers)
+
+    def f(x):
+        return [layer(x) for layer in layers]
+
+    x = torch.randn(2, 4096, device=DEV, dtype=BF16)
+    eager = f(x)
+    got = torch.compile(f)(x)
+    for a, b, layer in zip(got, eager, layers):
+        assert a.shape == b.shape
+        _assert_two_roundings(a, b, x, layer)
+
+
+def test_llama_layer_merged_vs_unmerged(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+                                   num_key_value_heads=2, num_hidden_layers=1, max_position_embeddings=256)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(6)
+    base = LlamaDecoderLayer(cfg, layer_idx=0)
+    with torch.no_grad():
+        for p in base.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    base = base.to(DEV, BF16).eval()
+    rope = LlamaRotaryEmbedding(cfg).to(DEV)
+    merged_layer = copy.deepcopy(base)
+    qf.quantize_(merged_layer, qf.Int4WeightOnlyConfig(), progress=False)
+    plain = copy.deepcopy(base)
+    qf.quantize_(plain, qf.Int4WeightOnlyConfig(merge_projections=False), progress=False)
+    calls = []
+    original = qm.ops.weight_only_mm
+    monkeypatch.setattr(qm.ops, "weight_only_mm", lambda *a: calls.append(1) or original(*a))
+    for tokens in (1, 16):
+        x = torch.randn(tokens, 1, 1024, device=DEV, dtype=BF16)
+        pos = torch.zeros(tokens, 1, dtype=torch.long, device=DEV)
+        with torch.no_grad():
+            outs = []
+            for layer in (merged_layer, plain):
+                calls.clear()
+                out = layer(x, position_embeddings=rope(x, pos), position_ids=pos, attention_mask=None)
+                outs.append((out[0] if isinstance(out, tuple) else out).float())
+                outs[-1] = (outs[-1], len(calls))
+        (a, na), (b, nb) = outs
+        assert (na, nb) == (4, 7)
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
