@@ -33,9 +33,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import triton
 
-from ._common import INTERPRET
+from ._common import INTERPRET, cdiv
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
 from .configs import arch_key
 from .scaled_mm import _BIG, BLOCKWISE_SCALE_BLOCK as SCALE_BLOCK, tma_applies
@@ -256,7 +255,7 @@ def scaled_mm_blockwise_wgmma(
     out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
     a_desc = _descriptor(a2d, [cfg.block_m, SCALE_BLOCK])
     b_desc = _descriptor(b.t(), [cfg.block_n, SCALE_BLOCK])
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
     _blockwise_wgmma_kernel[grid](
         a_desc, b_desc, out, scale_a, scale_b, bias if bias is not None else out,
         m, n, k,

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-import triton
+
+from ._common import next_pow2
 
 
 @dataclass(frozen=True)
@@ -53,17 +54,17 @@ def quantize_tile(device: torch.device, kind: str, k: int, group: int = 1) -> Ti
     table = _QUANT_TABLE[arch_key(device.type, device.index)]
     budget = table["elements"]
     if kind == "per_token":
-        block_k = triton.next_power_of_2(k)
+        block_k = next_pow2(k)
         if block_k <= table["max_single_pass_k"]:
             block_m = max(1, budget // block_k)
             return Tile(block_m, block_k, _warps(block_m * block_k), True)
         block_k = table["loop_block_k"]
         return Tile(1, block_k, _warps(block_k), False)
     if kind == "per_group":
-        block_k = max(group, min(triton.next_power_of_2(k), table["group_block_k"]))
+        block_k = max(group, min(next_pow2(k), table["group_block_k"]))
         block_m = max(1, budget // block_k)
         return Tile(block_m, block_k, _warps(block_m * block_k))
-    block_k = min(triton.next_power_of_2(k), 1024)
+    block_k = min(next_pow2(k), 1024)
     block_m = max(1, budget // block_k)
     return Tile(block_m, block_k, _warps(block_m * block_k))
 

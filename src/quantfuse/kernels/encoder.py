@@ -48,8 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, describable, descriptor, exp2_approx, grid_dependency_sync, pdl_launch_options,
-                      pdl_supported, persistent_grid, rcp_approx, tile_coords, tma_variant, to_int8_sat)
+from ._common import (INTERPRET, cdiv, describable, descriptor, exp2_approx, grid_dependency_sync, next_pow2,
+                      pdl_launch_options, pdl_supported, persistent_grid, rcp_approx, tile_coords, tma_variant,
+                      to_int8_sat)
 from .configs import arch_key, sm_count
 
 # ----------------------------------------------------------------------------------------------------
@@ -359,8 +360,8 @@ def _pick_gemm_tile(device: torch.device, m: int, n: int, k: int, epilogue: str)
     """(block_m, block_n, block_k, num_warps, num_stages, tma, persistent) from the table."""
     tiles = _table(device)["gemm"]
     sms = sm_count(device)
-    k_p2 = max(16, triton.next_power_of_2(k))
-    chosen = next((t for t in tiles if t[2] <= k_p2 and triton.cdiv(m, t[0]) * triton.cdiv(n, t[1]) >= t[5] * sms),
+    k_p2 = max(16, next_pow2(k))
+    chosen = next((t for t in tiles if t[2] <= k_p2 and cdiv(m, t[0]) * cdiv(n, t[1]) >= t[5] * sms),
                   tiles[-1])
     bm, bn, bk, warps, stages, _, variants = chosen
     return (bm, bn, min(bk, k_p2), warps, stages) + variants.get(epilogue, (False, 0))
@@ -451,7 +452,7 @@ def int8_gemm(
     if residual is not None:
         res = residual
         res_mode = 1 if residual.dtype == torch.float16 else 2
-    grid = (persistent_grid(triton.cdiv(m, bm) * triton.cdiv(n, bn), int(persistent), sm_count(dev)),)
+    grid = (persistent_grid(cdiv(m, bm) * cdiv(n, bn), int(persistent), sm_count(dev)),)
     pdl = _pdl(dev, m)
     a_src, w_src = (descriptor(a, (bm, bk)), descriptor(w, (bn, bk))) if use_tma else (a, w)
     _int8_gemm_kernel[grid](
@@ -639,12 +640,12 @@ def int8_attention(
                          f"{max_seqlen}")
     bm = cfg["block_m"]
     # P.V's K is the key block: int8 tensor-core products need K >= 32 (16 gave wrong results on the H100)
-    bn = max(32, triton.next_power_of_2(max(max_seqlen, 1))) if one_pass else cfg["block_n"]
+    bn = max(32, next_pow2(max(max_seqlen, 1))) if one_pass else cfg["block_n"]
     align_down = (not aligned and padded_vt and cfg.get("align_down", True)
                   and (not one_pass or max_seqlen + 15 <= bn))
     out = torch.empty((t, heads * head_dim), dtype=torch.int8, device=qk.device)
     batch = cu_seqlens.numel() - 1
-    grid = (triton.cdiv(max(max_seqlen, 1), bm), heads, batch)
+    grid = (cdiv(max(max_seqlen, 1), bm), heads, batch)
     score_scale_log2 = q_scale * k_scale / math.sqrt(head_dim) * math.log2(math.e)
     pdl = _pdl(qk.device, t)
     _int8_attention_kernel[grid](
@@ -751,7 +752,7 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     if column and (out_scale.dtype != torch.float32 or out_scale.numel() != n or not out_scale.is_contiguous()):
         raise ValueError(f"out_scale: expected a float or a contiguous float32 tensor of N={n} elements, got "
                          f"{out_scale.dtype} {tuple(out_scale.shape)}")
-    block_n = triton.next_power_of_2(n)
+    block_n = next_pow2(n)
     table = _table(y.device)
     rows = max(1, min(16, table["layernorm_rows_budget"] // block_n))
     out16 = torch.empty((m, n), dtype=torch.float16, device=y.device) if write_fp16 or dequant_fp16 else None
@@ -762,7 +763,7 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     if config is not None:
         rows, warps, reciprocal = config
     pdl = _pdl(y.device, m)
-    _layernorm_quant_kernel[(triton.cdiv(m, rows),)](
+    _layernorm_quant_kernel[(cdiv(m, rows),)](
         y, gamma, beta, out16 if out16 is not None else y, out8 if out8 is not None else y,
         m, n, y.stride(0), 1.0 if column or out_scale is None else float(out_scale),
         out_scale if column else gamma, float(eps), ids, types, positions, type_emb, pos_emb,

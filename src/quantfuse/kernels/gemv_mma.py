@@ -40,9 +40,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
-import triton
 
-from ._common import INTERPRET
+from ._common import INTERPRET, cdiv
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
 from .configs import arch_key
 
@@ -324,12 +323,12 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
         num_sms = torch.cuda.get_device_properties(x2d.device).multi_processor_count
     m, k = x2d.shape
     per_channel = scales.shape[0] == 1
-    grid_n = triton.cdiv(n, cfg.block_n)
-    total_chunks = triton.cdiv(k, CHUNK)
+    grid_n = cdiv(n, cfg.block_n)
+    total_chunks = cdiv(k, CHUNK)
     if splits is None:
         splits = max(1, min(total_chunks, cfg.programs_per_sm * num_sms // grid_n))
-    chunks_per_split = triton.cdiv(total_chunks, splits)
-    splits = triton.cdiv(total_chunks, chunks_per_split)
+    chunks_per_split = cdiv(total_chunks, splits)
+    splits = cdiv(total_chunks, chunks_per_split)
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
     split = splits > 1
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out

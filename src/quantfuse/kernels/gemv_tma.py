@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 import torch
 import triton
 
-from ._common import INTERPRET
+from ._common import INTERPRET, cdiv
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
 from .configs import arch_key
 
@@ -274,14 +274,14 @@ def gemv_tma(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     chunk = WORDS_PER_CHUNK * (32 // bits)
     per_channel = scales.shape[0] == 1
     group = k if per_channel else group_size
-    grid_n = triton.cdiv(n, cfg.block_n)
-    total_chunks = triton.cdiv(k, chunk)
+    grid_n = cdiv(n, cfg.block_n)
+    total_chunks = cdiv(k, chunk)
     if splits is None:
-        splits = max(1, min(triton.cdiv(total_chunks, cfg.chunks), cfg.programs_per_sm * num_sms // grid_n))
+        splits = max(1, min(cdiv(total_chunks, cfg.chunks), cfg.programs_per_sm * num_sms // grid_n))
     # whole tiles per split, so a tile never straddles two splits except at the end of K
-    tiles_per_split = triton.cdiv(triton.cdiv(total_chunks, cfg.chunks), splits)
+    tiles_per_split = cdiv(cdiv(total_chunks, cfg.chunks), splits)
     chunks_per_split = tiles_per_split * cfg.chunks
-    splits = triton.cdiv(total_chunks, chunks_per_split)
+    splits = cdiv(total_chunks, chunks_per_split)
     out = torch.empty((1, n), dtype=x2d.dtype, device=x2d.device)
     split = splits > 1
     part = torch.empty((splits, n), dtype=torch.float32, device=x2d.device) if split else out

@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cast_to, describable, descriptor, persistent_grid, tile_coords, tma_variant
+from ._common import (INTERPRET, cast_to, cdiv, describable, descriptor, persistent_grid, remember_plan, tile_coords,
+                      tma_variant)
 from .configs import arch_key, sm_count
 
 
@@ -220,12 +221,12 @@ def choose_split_k(m: int, n: int, k: int, cfg: MMConfig, device: torch.device) 
         # past decode sizes a near-full wave of tiles beats the partial-sum round trip through memory
         # (splitting 1024x4096x4096 three ways halved its throughput on the H100)
         return 1
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    k_steps = triton.cdiv(k, cfg.block_k)
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    k_steps = cdiv(k, cfg.block_k)
     target = 2 * sm_count(device)
     if tiles >= target // 2 or k_steps < 8:
         return 1
-    split = min(triton.cdiv(target, tiles), k_steps // 4, 16)
+    split = min(cdiv(target, tiles), k_steps // 4, 16)
     return max(1, split)
 
 
@@ -522,6 +523,10 @@ def _blockwise_kernel(
 # Launchers
 # ----------------------------------------------------------------------------------------------------
 _tuned: Dict[tuple, MMConfig] = {}
+# Launch plans (config, split, grid, ...) by shape key: choosing them costs more host time than the launch
+# itself (the bucket walk, wave efficiencies and split-K rule in Python); a steady-state call looks its
+# shape up. Not used with QUANTFUSE_AUTOTUNE=1 (which keeps its own `_tuned`) or an explicit config.
+_PLANS: Dict[tuple, tuple] = {}
 
 
 def _autotune_enabled() -> bool:
@@ -534,8 +539,8 @@ WAVE_TOLERANCE = 0.95
 
 def wave_efficiency(m: int, n: int, cfg: MMConfig, sms: int) -> float:
     """Output tiles / (waves * SMs): 1.0 when the last wave of one-tile-per-SM programs is full."""
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    return tiles / (triton.cdiv(tiles, sms) * sms)
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    return tiles / (cdiv(tiles, sms) * sms)
 
 
 def _wave_pick(candidates: List[MMConfig], m: int, n: int, sms: int) -> MMConfig:
@@ -580,8 +585,8 @@ def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple
 
 
 def _k_partition(k: int, cfg: MMConfig, split: int) -> Tuple[int, bool]:
-    k_steps = triton.cdiv(k, cfg.block_k)
-    k_per_split = triton.cdiv(k_steps, split) * cfg.block_k
+    k_steps = cdiv(k, cfg.block_k)
+    k_per_split = cdiv(k_steps, split) * cfg.block_k
     even_k = k % cfg.block_k == 0
     return k_per_split, even_k
 
@@ -589,7 +594,7 @@ def _k_partition(k: int, cfg: MMConfig, split: int) -> Tuple[int, bool]:
 def _effective_split(k: int, cfg: MMConfig, split: int) -> int:
     # after rounding K_PER_SPLIT up to whole steps, trailing splits may be empty: drop them
     k_per_split, _ = _k_partition(k, cfg, split)
-    return max(1, triton.cdiv(k, k_per_split))
+    return max(1, cdiv(k, k_per_split))
 
 
 def tma_applies(a2d: torch.Tensor, b: torch.Tensor) -> bool:
@@ -627,17 +632,21 @@ def scaled_mm(
     dummy = scale_a
     tma_ok = tma_applies(a2d, b)
 
-    def launch(cfg: MMConfig) -> torch.Tensor:
+    def geometry(cfg: MMConfig) -> tuple:
         if cfg.variant:
             raise ValueError(f"config.variant: scaled_mm has no variants (blockwise only), got {cfg.variant}")
         split = _effective_split(k, cfg, choose_split_k(m, n, k, cfg, a2d.device))
         k_per_split, even_k = _k_partition(k, cfg, split)
+        tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+        use_tma, persistent = tma_variant(cfg.tma, cfg.persistent if split == 1 else 0, tma_ok)
+        grid = (persistent_grid(tiles, persistent, sm_count(a2d.device)), split)
+        return cfg, split, k_per_split, even_k, use_tma, persistent, grid
+
+    def launch(cfg: MMConfig, plan: Optional[tuple] = None) -> torch.Tensor:
+        cfg, split, k_per_split, even_k, use_tma, persistent, grid = plan or geometry(cfg)
         ws = dummy
         if split > 1:
             ws = torch.empty((split, m, n), dtype=torch.float32 if is_fp8 else torch.int32, device=a2d.device)
-        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        use_tma, persistent = tma_variant(cfg.tma, cfg.persistent if split == 1 else 0, tma_ok)
-        grid = (persistent_grid(tiles, persistent, sm_count(a2d.device)), split)
         common = dict(
             SCALE_A_PER_ROW=scale_a.numel() > 1, SCALE_B_PER_COL=scale_b.numel() > 1,
             HAS_BIAS=bias is not None, AZP_MODE=azp_mode, INTERPRET=INTERPRET,
@@ -664,6 +673,14 @@ def scaled_mm(
 
     if config is None:
         key = ("mm", a2d.dtype, m, n, k, b.stride(0) == 1, tma_ok, azp_mode, bias is not None, out_dtype)
+        if a2d.is_cuda and not _autotune_enabled():
+            plan_key = key + (a2d.device.index,)
+            plan = _PLANS.get(plan_key)
+            if plan is None:
+                plan = geometry(_pick_config(CONFIGS, m, n, k, a2d.device, key, launch,
+                                             None if is_fp8 else "int8", tma_ok))
+                remember_plan(_PLANS, plan_key, plan)
+            return launch(plan[0], plan)
         config = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch, None if is_fp8 else "int8", tma_ok)
     return launch(config)
 
@@ -671,7 +688,7 @@ def scaled_mm(
 def _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, apply_scales, common):
     m, n = out.shape
     block_m, block_n = (16, 32) if INTERPRET else (16, 256)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (cdiv(m, block_m), cdiv(n, block_n))
     _split_k_reduce_kernel[grid](
         ws, out, scale_a, scale_b,
         bias if bias is not None else dummy,
@@ -741,7 +758,7 @@ def scaled_mm_blockwise(
         ws = dummy
         if split > 1:
             ws = torch.empty((split, m, n), dtype=torch.float32, device=a2d.device)
-        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+        grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), split)
         _blockwise_kernel[grid](
             a2d, b, out, ws, scale_a, scale_b, bias if bias is not None else dummy,
             m, n, k, k_per_split,

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, quantize_value
+from ._common import INTERPRET, cdiv, next_pow2, quantize_value
 from .configs import arch_key
 from .quantize import _QMAX, _region_scale
 
@@ -79,7 +79,7 @@ class RegionTile:
     num_warps: int
 
     def grid(self, rows: int) -> Tuple[int]:
-        return (triton.cdiv(rows * self.regions_per_row, self.block_r),)
+        return (cdiv(rows * self.regions_per_row, self.block_r),)
 
 
 def _config(device: torch.device) -> dict:
@@ -92,11 +92,11 @@ def region_tile(device: torch.device, rows: int, width: int, regions_per_row: in
     block_r = max(1, cfg["elements"] // width)
     # on CPU tensors (the interpreter) programs run one after another: no parallelism to expose
     min_programs = cfg["min_programs"] if device.type == "cuda" else 1
-    while block_r > 1 and triton.cdiv(regions, block_r) < min_programs:
+    while block_r > 1 and cdiv(regions, block_r) < min_programs:
         block_r //= 2
     # default 512 per warp, i.e. 16 outputs per thread: two 16-byte loads of gate and of up for 16-bit inputs
     num_warps = max(1, min(16, (block_r * width) // cfg["elements_per_warp"]))
-    return RegionTile(width, regions_per_row, block_r, triton.next_power_of_2(num_warps))
+    return RegionTile(width, regions_per_row, block_r, next_pow2(num_warps))
 
 
 @triton.jit
@@ -238,7 +238,7 @@ def _launch(x2d, q, scales, ub, partials, tile: RegionTile, h, mode, dtype, stri
         x2d.stride(0), q.stride(0), stride_sm, stride_sg,
         QMAX=_QMAX[dtype], IS_FP8=dtype == torch.float8_e4m3fn, SCALE_MODE=mode, HAS_UB=ub is not None,
         WIDTH=tile.width, BLOCK_R=tile.block_r, MASK_COLS=h % tile.width != 0,
-        BLOCK_P=triton.next_power_of_2(tile.regions_per_row),
+        BLOCK_P=next_pow2(tile.regions_per_row),
         FMA_DIV=(not INTERPRET) and mode != _SCALE_GIVEN, INTERPRET=INTERPRET, num_warps=tile.num_warps,
     )
 
@@ -248,7 +248,7 @@ def per_token_path(device: torch.device, m: int, h: int) -> str:
     'loop' (a row per program walked twice, second read from L2) is chosen only when forced, until the
     GPU sweep (benchmarks/tune_silu_quant.py) measures it against the other two."""
     cfg = _config(device)
-    if triton.next_power_of_2(h) > cfg["token_single_max"] or m < cfg["token_split_rows"]:
+    if next_pow2(h) > cfg["token_single_max"] or m < cfg["token_split_rows"]:
         return "split"
     return "single"
 
@@ -278,8 +278,8 @@ def silu_and_mul_quant(
         return q, scales
 
     if scale is not None:
-        width = min(triton.next_power_of_2(h), _config(x2d.device)["chunk"])
-        tile = region_tile(x2d.device, m, width, triton.cdiv(h, width))
+        width = min(next_pow2(h), _config(x2d.device)["chunk"])
+        tile = region_tile(x2d.device, m, width, cdiv(h, width))
         _launch(x2d, q, scale.reshape(1), None, None, tile, h, _SCALE_GIVEN, dtype, 0, 0)
         return q, scale
 
@@ -287,9 +287,9 @@ def silu_and_mul_quant(
     path = token_path or per_token_path(x2d.device, m, h)
     if path == "loop":
         cfg = _config(x2d.device)
-        block = min(triton.next_power_of_2(h), cfg["loop_block"])
+        block = min(next_pow2(h), cfg["loop_block"])
         rows = cfg["loop_rows"]
-        _silu_mul_quant_row_loop_kernel[(triton.cdiv(m, rows),)](
+        _silu_mul_quant_row_loop_kernel[(cdiv(m, rows),)](
             x2d, q, scales, scale_ub if scale_ub is not None else scales, m, h, x2d.stride(0), q.stride(0),
             QMAX=_QMAX[dtype], IS_FP8=dtype == torch.float8_e4m3fn, HAS_UB=scale_ub is not None,
             ROWS=rows, BLOCK=block, FMA_DIV=not INTERPRET, INTERPRET=INTERPRET,
@@ -297,11 +297,11 @@ def silu_and_mul_quant(
         )
         return q, scales
     if path == "single":
-        tile = region_tile(x2d.device, m, triton.next_power_of_2(h), 1)
+        tile = region_tile(x2d.device, m, next_pow2(h), 1)
         _launch(x2d, q, scales, scale_ub, None, tile, h, _SCALE_OWN, dtype, 1, 0)
         return q, scales
-    width = min(triton.next_power_of_2(h), _config(x2d.device)["chunk"])
-    tile = region_tile(x2d.device, m, width, triton.cdiv(h, width))
+    width = min(next_pow2(h), _config(x2d.device)["chunk"])
+    tile = region_tile(x2d.device, m, width, cdiv(h, width))
     partials = torch.empty((m, tile.regions_per_row), dtype=torch.float32, device=x2d.device)
     _silu_mul_amax_kernel[tile.grid(m)](
         x2d, partials, m * tile.regions_per_row, tile.regions_per_row, h, x2d.stride(0),

@@ -72,8 +72,8 @@ import triton
 import triton.language as tl
 
 from . import gemv_mma, gemv_tma
-from ._common import INTERPRET, cast_to
-from .configs import arch_key
+from ._common import INTERPRET, cast_to, cdiv, next_pow2
+from .configs import arch_key, sm_count
 
 WORDS_PER_CHUNK = 16
 
@@ -156,9 +156,7 @@ def _table(device: torch.device):
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter: a little split-K so the CPU tests exercise the reduction path
+    return sm_count(device)  # cached; 4 under the interpreter: a little split-K so the CPU tests reduce
 
 
 @triton.jit
@@ -783,7 +781,7 @@ def splitk_reduce(part: torch.Tensor, bias: Optional[torch.Tensor], out: torch.T
     second kernel of the split-K products that have no counter slot for the fused reduction."""
     splits, m, n = part.shape
     block = 1024
-    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+    _splitk_reduce_kernel[(cdiv(m * n, block),)](
         part, bias if bias is not None else part, out, m, n, splits, out.stride(0),
         HAS_BIAS=bias is not None, BLOCK=block, INTERPRET=INTERPRET, num_warps=4,
     )
@@ -833,7 +831,7 @@ def dequantize(qweight, scales, zeros, bits: int, group_size: int, k: int, dtype
     n = qweight.shape[0]
     out = torch.empty((n, k), dtype=dtype, device=qweight.device)
     block_n = 64
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k, chunk_codes(bits)))
+    grid = (cdiv(n, block_n), cdiv(k, chunk_codes(bits)))
     _dequant_kernel[grid](
         qweight, scales, zeros if zeros is not None else scales, out, n, k, scales.shape[0],
         _effective_group(group_size, k), qweight.stride(0), out.stride(0),
@@ -977,13 +975,13 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     block_m, block_n = tile["block_m"], tile["block_n"]
     chunks = tile.get("chunks", 1)
     kernel = _wo_gemv_kernel if tile.get("kernel", "mma") == "gemv" else _wo_mm_kernel
-    grid_n, grid_m = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
-    total_chunks = triton.cdiv(k, chunk_codes(bits))
+    grid_n, grid_m = cdiv(n, block_n), cdiv(m, block_m)
+    total_chunks = cdiv(k, chunk_codes(bits))
     if splits is None:
         target = tile["programs_per_sm"] * _num_sms(x2d.device)
         splits = max(1, min(total_chunks, target // max(1, grid_n * grid_m)))
-    chunks_per_split = triton.cdiv(total_chunks, splits)
-    splits = triton.cdiv(total_chunks, chunks_per_split)
+    chunks_per_split = cdiv(total_chunks, splits)
+    splits = cdiv(total_chunks, chunks_per_split)
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
     split = splits > 1
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out
@@ -1000,7 +998,7 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     else:
         # group_shift: the GEMV's per-group scaling (SCALE 1) locates groups by shift; group sizes with
         # several groups are powers of two (validated by quantfuse.ops / QuantizedWeight)
-        extra = dict(group_shift=group.bit_length() - 1, FUSED_REDUCE=fused, BLOCK_M_P2=triton.next_power_of_2(block_m))
+        extra = dict(group_shift=group.bit_length() - 1, FUSED_REDUCE=fused, BLOCK_M_P2=next_pow2(block_m))
     kernel[(grid_n, splits, grid_m)](
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales,
         out, part, counts if fused else scales, m, n, k, scales.shape[0], group,
@@ -1053,7 +1051,7 @@ def gemv_mma_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     """The Gluon tensor-core int4 decode kernel (`gemv_mma`, sm90, M <= 16) with this module's split-K counters and
     SM count; the caller checked `gemv_mma.applies`."""
     cfg = config or gemv_mma.pick_config(x2d.device)
-    counters = _tile_counters(x2d.device, triton.cdiv(n, cfg.block_n))
+    counters = _tile_counters(x2d.device, cdiv(n, cfg.block_n))
     return gemv_mma.gemv_mma(x2d, qweight, scales, zeros, bias, group_size, n, config=cfg, splits=splits,
                              counters=counters, num_sms=_num_sms(x2d.device))
 
@@ -1065,7 +1063,7 @@ def prefer_gemv_tma(bits: int, n: int, k: int, tl_tile: dict, num_sms: int) -> b
     1.26x), since elsewhere the Gluon kernel's conversion is issue-bound and the tl GEMV is faster."""
     if bits == 8:
         return True
-    programs = triton.cdiv(n, tl_tile["block_n"]) * triton.cdiv(k, chunk_codes(bits))
+    programs = cdiv(n, tl_tile["block_n"]) * cdiv(k, chunk_codes(bits))
     return programs < tl_tile["programs_per_sm"] * num_sms
 
 
@@ -1076,6 +1074,6 @@ def gemv_tma_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n
     cfg = config or gemv_tma.pick_config(bits, x2d.device)
     counters = None
     if _table(x2d.device)["fused_reduce_max_m"] >= 1:
-        counters = _tile_counters(x2d.device, triton.cdiv(n, cfg.block_n))
+        counters = _tile_counters(x2d.device, cdiv(n, cfg.block_n))
     return gemv_tma.gemv_tma(x2d, qweight, scales, zeros, bias, bits, group_size, n, config=cfg, splits=splits,
                              counters=counters, num_sms=_num_sms(x2d.device))
