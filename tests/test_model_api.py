@@ -204,19 +204,25 @@ def test_shared_input_quantization(layer_cls, monkeypatch):
     assert qm.SHARED_INPUT._entry is None  # nothing kept alive once the input is gone
 
 
-def test_shared_input_quantization_in_a_transformers_llama_layer(monkeypatch):
-    """transformers' Llama attention hands q_proj, k_proj and v_proj one tensor: per layer call, int8_dynamic
-    quantizes three activations (q|k|v, o_proj's, the fused MLP's gate|up) instead of five, with the output
-    of the layer quantizing per projection."""
+def _tiny_llama_layer(seed: int):
+    """(a transformers LlamaDecoderLayer with hidden 128 in eval mode, its rotary embedding, a factory of
+    more such layers); skips the test without transformers."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
                                    num_key_value_heads=2, num_hidden_layers=1, max_position_embeddings=64)
     cfg._attn_implementation = "sdpa"
-    torch.manual_seed(4)
-    layer = LlamaDecoderLayer(cfg, layer_idx=0).eval()
-    rope = LlamaRotaryEmbedding(cfg)
+    torch.manual_seed(seed)
+    make = lambda: LlamaDecoderLayer(cfg, layer_idx=0).eval()  # noqa: E731
+    return make(), LlamaRotaryEmbedding(cfg), make
+
+
+def test_shared_input_quantization_in_a_transformers_llama_layer(monkeypatch):
+    """transformers' Llama attention hands q_proj, k_proj and v_proj one tensor: per layer call, int8_dynamic
+    quantizes three activations (q|k|v, o_proj's, the fused MLP's gate|up) instead of five, with the output
+    of the layer quantizing per projection."""
+    layer, rope, _ = _tiny_llama_layer(seed=4)
     quantize_(layer, Int8DynamicConfig(), progress=False)
     calls = []
     original = qm.Int8DynamicLinear.quantize_input
@@ -592,7 +598,7 @@ def test_merged_projections_refuse_mismatched_layers():
         qm.MergedProjections([a, qm.WeightOnlyLinear.from_linear(nn.Linear(256, 32), bits=4, group_size=64)])
     with pytest.raises(ValueError, match="group_size"):
         qm.MergedProjections([a, qm.WeightOnlyLinear.from_linear(nn.Linear(128, 32), bits=4, group_size=128)])
-    with pytest.raises(ValueError, match="scales"):
+    with pytest.raises(ValueError, match="scale dtype"):
         qm.MergedProjections([a, qm.WeightOnlyLinear.from_linear(nn.Linear(128, 32), bits=4, group_size=64,
                                                                  scale_dtype=torch.bfloat16)])
     b = qm.WeightOnlyLinear.from_linear(nn.Linear(128, 16), bits=4, group_size=64)
@@ -615,15 +621,7 @@ def test_merged_projections_in_a_transformers_llama_layer(monkeypatch, tmp_path)
     (save -> load gives the same groups); merge_projections=False leaves seven GEMMs."""
     import copy
 
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                                   num_key_value_heads=2, num_hidden_layers=1, max_position_embeddings=64)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(5)
-    base = LlamaDecoderLayer(cfg, layer_idx=0).eval()
-    rope = LlamaRotaryEmbedding(cfg)
+    base, rope, make_layer = _tiny_llama_layer(seed=5)
     layer = copy.deepcopy(base)
     quantize_(layer, Int4WeightOnlyConfig(group_size=64), progress=False)
     assert sorted(qm.merged_groups(layer)) == [("mlp.gate_proj", "mlp.up_proj"),
@@ -657,8 +655,7 @@ def test_merged_projections_in_a_transformers_llama_layer(monkeypatch, tmp_path)
     save_quantized(layer, tmp_path)
     info = json.loads((tmp_path / "quantfuse.json").read_text())
     assert sorted(map(tuple, info["merged_projections"])) == sorted(qm.merged_groups(layer))
-    skeleton = LlamaDecoderLayer(cfg, layer_idx=0).eval()
-    loaded = load_quantized(tmp_path, skeleton)
+    loaded = load_quantized(tmp_path, make_layer())
     assert sorted(qm.merged_groups(loaded)) == sorted(qm.merged_groups(layer))
     calls.clear()
     assert torch.equal(run(loaded), merged) and len(calls) == 4

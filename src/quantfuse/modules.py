@@ -755,6 +755,15 @@ def _weight_only_forward(x: Tensor, qw, bias: Optional[Tensor], out_features: in
     return y.to(out_dtype).reshape(*x.shape[:-1], out_features)
 
 
+def _merge_mismatch(layers) -> Optional[str]:
+    """Why weight-only `layers` cannot share one GEMM (None: they can)."""
+    from .weights import first_mismatch
+
+    return first_mismatch("members", layers, {
+        "in_features": lambda m: m.in_features, "bits": lambda m: m.bits, "group_size": lambda m: m.group_size,
+        "scale dtype": lambda m: m.weight_scale.dtype, "device": lambda m: m.weight_packed.device})
+
+
 class MergedProjections:
     """Sibling weight-only layers that read the same tensor (attention's q_proj / k_proj / v_proj, a gated
     MLP's gate_proj / up_proj) run as one GEMM over their stacked weights.
@@ -778,18 +787,12 @@ class MergedProjections:
         members = list(members)
         if len(members) < 2 or not all(isinstance(m, WeightOnlyLinear) for m in members):
             raise TypeError("members: expected two or more WeightOnlyLinear layers")
-        first = members[0]
         for i, m in enumerate(members):
             if m._merged is not None:
                 raise ValueError(f"members[{i}]: already part of a MergedProjections")
-            for attr in ("in_features", "bits", "group_size"):
-                if getattr(m, attr) != getattr(first, attr):
-                    raise ValueError(f"members[{i}]: expected {attr}={getattr(first, attr)} as members[0], "
-                                     f"got {getattr(m, attr)}")
-            if m.weight_scale.dtype != first.weight_scale.dtype or m.weight_packed.device != first.weight_packed.device:
-                raise ValueError(f"members[{i}]: expected {first.weight_scale.dtype} scales on "
-                                 f"{first.weight_packed.device} as members[0], got {m.weight_scale.dtype} on "
-                                 f"{m.weight_packed.device}")
+        mismatch = _merge_mismatch(members)
+        if mismatch:
+            raise ValueError(mismatch)
         self.enabled = True
         self.members = members
         self.bounds = []
@@ -890,10 +893,7 @@ def merge_projections(model: nn.Module, groups=MERGE_GROUPS,
             if len(present) < 2:
                 continue
             layers = [getattr(parent, n) for n in present]
-            first = layers[0]
-            if not all(m.in_features == first.in_features and m.bits == first.bits
-                       and m.group_size == first.group_size and m.weight_scale.dtype == first.weight_scale.dtype
-                       and m.weight_packed.device == first.weight_packed.device for m in layers):
+            if _merge_mismatch(layers):
                 continue
             made[tuple(prefix + n for n in present)] = MergedProjections(layers)
     return made

@@ -12,7 +12,7 @@ activation), and `dequantize` returns the weight in the original column order.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -171,17 +171,15 @@ class QuantizedWeight:
         parts = list(parts)
         if not parts or not all(isinstance(p, QuantizedWeight) for p in parts):
             raise TypeError("parts: expected a non-empty sequence of QuantizedWeight")
-        first = parts[0]
         for i, p in enumerate(parts):
             if p.perm is not None:
                 raise ValueError(f"parts[{i}]: act-order weights (perm) cannot share a GEMM with other layers")
-            for attr in ("bits", "group_size", "device"):
-                if getattr(p, attr) != getattr(first, attr):
-                    raise ValueError(f"parts[{i}]: expected {attr}={getattr(first, attr)} as parts[0], "
-                                     f"got {getattr(p, attr)}")
-            if p.shape[1] != first.shape[1] or p.scales.dtype != first.scales.dtype:
-                raise ValueError(f"parts[{i}]: expected K={first.shape[1]} and {first.scales.dtype} scales as "
-                                 f"parts[0], got K={p.shape[1]} and {p.scales.dtype}")
+        mismatch = first_mismatch("parts", parts, {"bits": lambda p: p.bits, "group_size": lambda p: p.group_size,
+                                                   "K": lambda p: p.shape[1], "scale dtype": lambda p: p.scales.dtype,
+                                                   "device": lambda p: p.device})
+        if mismatch:
+            raise ValueError(mismatch)
+        first = parts[0]
         zeros = None
         if any(not p.symmetric for p in parts):
             zeros = torch.cat([p.zero_points() for p in parts], dim=1)
@@ -320,6 +318,16 @@ class QuantizedWeight:
             z = unpack_along(weight_zero_point, bits, 0)[:n].t()
         group_size, _ = _group_size_from_gidx(None, k, groups, weight_packed.device)
         return cls.from_codes(u, _cast_scales(weight_scale.t(), scale_dtype, "weight_scale"), z, bits, group_size)
+
+
+def first_mismatch(name: str, items: Sequence, fields: Dict[str, Callable]) -> Optional[str]:
+    """The error message for the first of `items` whose field (a getter in `fields`) differs from items[0]'s,
+    or None when all agree (layers or weights that are to share one GEMM)."""
+    for i, item in enumerate(items[1:], start=1):
+        for field, get in fields.items():
+            if get(item) != get(items[0]):
+                return f"{name}[{i}]: expected {field} {get(items[0])} as {name}[0], got {get(item)}"
+    return None
 
 
 def _check_bits(bits, allowed) -> None:
