@@ -31,12 +31,13 @@ def main():
     b = w.t()
     sa = s.reshape(-1)
     # the kernel's arguments as scaled_mm passes them (no split-K: one launch)
-    args = dict(a_ptr=q, b_ptr=b, out_ptr=out, ws_ptr=sa, scale_a_ptr=sa, scale_b_ptr=sw, bias_ptr=sa, azp_adj_ptr=sa,
+    args = dict(a_src=q, b_src=b, out_ptr=out, ws_ptr=sa, scale_a_ptr=sa, scale_b_ptr=sw, bias_ptr=sa, azp_adj_ptr=sa,
                 azp_ptr=sa, M=m, N=n, K=k, K_PER_SPLIT=k, stride_am=q.stride(0), stride_ak=q.stride(1),
                 stride_bk=b.stride(0), stride_bn=b.stride(1), stride_om=out.stride(0))
     names = ksm._scaled_mm_kernel.arg_names
     consts = dict(IS_FP8=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8,
-                  SCALE_A_PER_ROW=True, SCALE_B_PER_COL=True, HAS_BIAS=False, AZP_MODE=0, INTERPRET=False)
+                  SCALE_A_PER_ROW=True, SCALE_B_PER_COL=True, HAS_BIAS=False, AZP_MODE=0, TMA=False, PERSISTENT=False,
+                  INTERPRET=False)
     missing = [a for a in names if a not in args and a not in consts]
     rows = {}
     if missing:
@@ -51,6 +52,14 @@ def main():
             lambda: ksm._scaled_mm_kernel[grid](*pos, **consts, num_warps=4, num_stages=4))
         rows["compiled launch (CompiledKernel[grid])"] = per_call_us(lambda: runner(*bound))
     rows["qf.scaled_mm (public op)"] = per_call_us(lambda: qf.scaled_mm(q, w.t(), s, sw, torch.bfloat16))
+    # the layers below the public op: the custom-op body (no argument checks), the launcher alone (plan cached)
+    from quantfuse import ops
+
+    rows["ops._scaled_mm (no validation)"] = per_call_us(
+        lambda: ops._scaled_mm(q, w.t(), s, sw, torch.bfloat16, None, None, None))
+    rows["kernels.scaled_mm (launcher)"] = per_call_us(
+        lambda: ksm.scaled_mm(q, w.t(), s, sw, torch.bfloat16, None, None, None))
+    rows["2 tensor descriptors"] = per_call_us(lambda: (ksm.descriptor(q, (16, 128)), ksm.descriptor(b.t(), (64, 128))))
     rows["qf.quantize_per_token (public op)"] = per_call_us(lambda: qf.quantize_per_token(x, torch.int8))
     rows["F.linear bf16"] = per_call_us(lambda: lin(x))
     rows["torch.empty"] = per_call_us(lambda: torch.empty(m, n, device=dev, dtype=torch.bfloat16))
