@@ -23,8 +23,10 @@ import quantfuse as qf  # noqa: E402
 HIDDEN, INTER, HEADS, KV_HEADS = 4096, 14336, 32, 8
 SCHEMES = {
     "int8_dynamic": lambda: qf.Int8DynamicConfig(),
+    "int8_dynamic_unmerged": lambda: qf.Int8DynamicConfig(merge_projections=False),
     "int8_dynamic_unfused": lambda: qf.Int8DynamicConfig(fuse_gated_mlp=False),
     "fp8_dynamic": lambda: qf.Fp8DynamicConfig(),
+    "fp8_dynamic_unmerged": lambda: qf.Fp8DynamicConfig(merge_projections=False),
     "fp8_dynamic_unfused": lambda: qf.Fp8DynamicConfig(fuse_gated_mlp=False),
     "fp8_block": lambda: qf.Fp8BlockConfig(),
     "int4_weight_only": lambda: qf.Int4WeightOnlyConfig(group_size=128),
@@ -119,9 +121,9 @@ def main():
                  notes="Decode: batch b, one token per sequence, no KV cache, CUDA graphs. Prefill: 2048 tokens, "
                        "eager and under a CUDA graph. linears = the seven projections alone (n/a where the gated MLP is fused: "
                        "fp8_block, int8_dynamic, fp8_dynamic; the *_unfused rows run the same scheme layer by layer). "
-                       "Weight-only schemes merge q|k|v and gate|up into one GEMM each (MergedProjections; the "
-                       "linears are called as the layer calls them, q/k/v and gate/up on one tensor); *_unmerged: "
-                       "seven GEMMs. bf16_merged_linears: the bf16 weights stacked the same way (4 F.linear), "
+                       "Weight-only schemes merge q|k|v and gate|up into one GEMM each, int8/fp8_dynamic q|k|v "
+                       "(MergedProjections; the linears are called as the layer calls them, q/k/v and gate/up on "
+                       "one tensor); *_unmerged: one GEMM per projection. bf16_merged_linears: the bf16 weights stacked the same way (4 F.linear), "
                        "linears only; speedups are against the bf16 layer as transformers runs it.")
 
 

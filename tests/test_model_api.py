@@ -223,7 +223,7 @@ def test_shared_input_quantization_in_a_transformers_llama_layer(monkeypatch):
     quantizes three activations (q|k|v, o_proj's, the fused MLP's gate|up) instead of five, with the output
     of the layer quantizing per projection."""
     layer, rope, _ = _tiny_llama_layer(seed=4)
-    quantize_(layer, Int8DynamicConfig(), progress=False)
+    quantize_(layer, Int8DynamicConfig(merge_projections=False), progress=False)  # (merged: one q|k|v GEMM)
     calls = []
     original = qm.Int8DynamicLinear.quantize_input
     monkeypatch.setattr(qm.Int8DynamicLinear, "quantize_input",
@@ -668,3 +668,68 @@ def test_merged_projections_in_a_transformers_llama_layer(monkeypatch, tmp_path)
     assert len(calls) == 7
     with pytest.raises(TypeError, match="merge_projections"):
         Int4WeightOnlyConfig(merge_projections=1)
+
+
+@pytest.mark.parametrize("layer_cls", [qm.Int8DynamicLinear, qm.Fp8DynamicLinear])
+def test_merged_w8a8_projections_equal_the_layers_alone(layer_cls, monkeypatch, tmp_path):
+    """Dynamic W8A8 q/k/v as one scaled_mm: x quantized once, each output the layer's own (int8: bit for
+    bit, exact int32 sums), the members' weights become row blocks of one stacked tensor (no extra memory),
+    a dtype cast rebuilds the stack, and a checkpoint of the merged model round-trips."""
+    torch.manual_seed(12)
+    layers = [layer_cls.from_linear(nn.Linear(128, n, bias=b)) for n, b in ((96, True), (32, False), (40, True))]
+    mm_calls = []
+    original_mm = qm.ops.scaled_mm
+    monkeypatch.setattr(qm.ops, "scaled_mm", lambda *a, **k: mm_calls.append(a[1].shape) or original_mm(*a, **k))
+    x = torch.randn(2, 5, 128, dtype=torch.bfloat16)
+    group = qm.MergedProjections(layers)
+    merged = [layer(x) for layer in layers]
+    assert mm_calls == [(128, 168)]
+    storage = {layer.weight.untyped_storage().data_ptr() for layer in layers}
+    assert len(storage) == 1 and all(layer.weight.is_contiguous() for layer in layers)
+    group.enabled = False
+    alone = [layer(x) for layer in layers]
+    group.enabled = True
+    for a, b in zip(merged, alone):
+        if layer_cls is qm.Int8DynamicLinear:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=2**-8, atol=1e-6)
+    parent = nn.Module()
+    parent.q_proj, parent.k_proj, parent.v_proj = layers
+    parent.half()  # bias cast: the stacked layer is rebuilt with it on the next call
+    xh = torch.randn(3, 128, dtype=torch.float16)
+    mm_calls.clear()
+    outs = [layer(xh) for layer in layers]
+    assert len(mm_calls) == 1 and all(o.dtype == torch.float16 for o in outs)
+    save_quantized(parent, tmp_path)
+    skeleton = nn.Module()
+    skeleton.q_proj, skeleton.k_proj, skeleton.v_proj = (nn.Linear(128, n) for n in (96, 32, 40))
+    loaded = load_quantized(tmp_path, skeleton).half()
+    assert sorted(qm.merged_groups(loaded)) == [("q_proj", "k_proj", "v_proj")]
+    for a, b in zip(outs, [loaded.q_proj(xh), loaded.k_proj(xh), loaded.v_proj(xh)]):
+        assert torch.equal(a, b)
+
+
+def test_merged_w8a8_in_a_transformers_llama_layer(monkeypatch):
+    """int8_dynamic on transformers' Llama layer: q|k|v merged (the MLP is the fused GatedMLP), 4 scaled_mm
+    per layer call instead of 6, same output bit for bit; merge_projections=False keeps 6."""
+    import copy
+
+    base, rope, _ = _tiny_llama_layer(seed=7)
+    mm_calls = []
+    original_mm = qm.ops.scaled_mm
+    monkeypatch.setattr(qm.ops, "scaled_mm", lambda *a, **k: mm_calls.append(1) or original_mm(*a, **k))
+    x = torch.randn(2, 7, 128)
+    pos = torch.arange(7)[None].expand(2, 7)
+    outs = []
+    for merge in (True, False):
+        layer = copy.deepcopy(base)
+        quantize_(layer, Int8DynamicConfig(merge_projections=merge), progress=False)
+        assert bool(qm.merged_groups(layer)) == merge
+        mm_calls.clear()
+        with torch.no_grad():
+            out = layer(x, position_embeddings=rope(x, pos), position_ids=pos, attention_mask=None)
+        outs.append((out[0] if isinstance(out, tuple) else out, len(mm_calls)))
+    (a, na), (b, nb) = outs
+    assert (na, nb) == (4, 6)
+    assert torch.equal(a, b)

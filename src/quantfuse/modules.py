@@ -199,6 +199,16 @@ class QuantizedLinear(nn.Module):
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self._merged: Optional[Tuple["MergedProjections", int]] = None  # (group, index) once merged
+
+    def _merged_output(self, x: Tensor) -> Optional[Tensor]:
+        """This layer's slice of its `MergedProjections` GEMM, or None when it runs alone."""
+        if self._merged is None:
+            return None
+        group, index = self._merged
+        if not group.enabled or torch.compiler.is_compiling():
+            return None
+        return group.output(x, index)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -218,6 +228,8 @@ class QuantizedLinear(nn.Module):
             if param is not None:
                 self._parameters[name] = nn.Parameter(fn(param.data), requires_grad=param.requires_grad)
         self._device_changed()
+        if self._merged is not None:
+            self._merged[0].invalidate()
         return self
 
     def _device_changed(self) -> None:
@@ -355,6 +367,9 @@ class Int8DynamicLinear(_ScaledMMLinear):
         return self._mm(q, scale, out_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        merged = self._merged_output(x)
+        if merged is not None:
+            return merged
         out_dtype = _out_dtype(x)
         q, scale = SHARED_INPUT.get(x, (type(self).quantize_input, self.qdtype),
                                     lambda: self.quantize_input(_rows(x)))
@@ -640,7 +655,6 @@ class WeightOnlyLinear(QuantizedLinear):
         self.register_buffer("weight_zero_point",
                              None if weight_zero_point is None else weight_zero_point.to(torch.int32).contiguous())
         self._qw = None
-        self._merged: Optional[Tuple["MergedProjections", int]] = None  # (group, index) once merged
 
     @property
     def scheme(self) -> str:  # type: ignore[override]
@@ -709,8 +723,6 @@ class WeightOnlyLinear(QuantizedLinear):
 
     def _device_changed(self) -> None:
         self._qw = None
-        if self._merged is not None:
-            self._merged[0].invalidate()
 
     def quantized_weight(self):
         """The kernel's `QuantizedWeight`, built from the compressed-tensors tensors on first use."""
@@ -723,10 +735,9 @@ class WeightOnlyLinear(QuantizedLinear):
         return self._qw
 
     def forward(self, x: Tensor) -> Tensor:
-        if self._merged is not None:
-            group, index = self._merged
-            if group.enabled and not torch.compiler.is_compiling():
-                return group.output(x, index)
+        merged = self._merged_output(x)
+        if merged is not None:
+            return merged
         return _weight_only_forward(x, self.quantized_weight(), self.bias, self.out_features)
 
     def checkpoint_meta(self):
@@ -755,38 +766,63 @@ def _weight_only_forward(x: Tensor, qw, bias: Optional[Tensor], out_features: in
     return y.to(out_dtype).reshape(*x.shape[:-1], out_features)
 
 
+def _mergeable_kind(layer) -> Optional[type]:
+    """The class a layer merges as (exactly: fp8 layers subclass the int8 ones), or None."""
+    kind = type(layer)
+    return kind if kind in (WeightOnlyLinear, Int8DynamicLinear, Fp8DynamicLinear) else None
+
+
 def _merge_mismatch(layers) -> Optional[str]:
-    """Why weight-only `layers` cannot share one GEMM (None: they can)."""
+    """Why `layers` cannot share one GEMM (None: they can): one mergeable class, and the same input size,
+    weight format and device."""
     from .weights import first_mismatch
 
-    return first_mismatch("members", layers, {
-        "in_features": lambda m: m.in_features, "bits": lambda m: m.bits, "group_size": lambda m: m.group_size,
-        "scale dtype": lambda m: m.weight_scale.dtype, "device": lambda m: m.weight_packed.device})
+    fields = {"class": lambda m: type(m).__name__, "in_features": lambda m: m.in_features}
+    if _mergeable_kind(layers[0]) is WeightOnlyLinear:
+        fields.update({"bits": lambda m: m.bits, "group_size": lambda m: m.group_size,
+                       "scale dtype": lambda m: m.weight_scale.dtype, "device": lambda m: m.weight_packed.device})
+    else:
+        fields.update({"weight dtype": lambda m: m.weight.dtype, "device": lambda m: m.weight.device})
+    return first_mismatch("members", layers, fields)
+
+
+def _stacked_biases(members) -> Optional[Tensor]:
+    if all(m.bias is None for m in members):
+        return None
+    ref_bias = next(m.bias for m in members if m.bias is not None)
+    return torch.cat([m.bias if m.bias is not None else
+                      torch.zeros(m.out_features, dtype=ref_bias.dtype, device=ref_bias.device) for m in members])
 
 
 class MergedProjections:
-    """Sibling weight-only layers that read the same tensor (attention's q_proj / k_proj / v_proj, a gated
-    MLP's gate_proj / up_proj) run as one GEMM over their stacked weights.
+    """Sibling layers that read the same tensor (attention's q_proj / k_proj / v_proj, a gated MLP's
+    gate_proj / up_proj) run as one GEMM over their stacked weights: weight-only layers (`WeightOnlyLinear`)
+    or dynamic W8A8 ones (`Int8DynamicLinear`, `Fp8DynamicLinear`; x is quantized once either way, see
+    `SharedInputQuantization`).
 
-    At decode sizes a weight-only GEMM is bound by streaming its weight and by the fixed cost of a launch
-    and its split-K reduction: one [sum N_i, K] GEMM costs about what the largest member alone does
-    (Llama-3-8B at M = 1: q/k/v 4096 -> 6144 in ~10.6 us on the H100 instead of 8.7 + 6.3 + 6.3), with
-    no change to the model's code. The first member called on x computes y = x @ [W_0; W_1; ...]^T + [b_0;
-    b_1; ...] (each row of y as the members would, up to float32 summation order) and returns its column
-    slice; the others called on the very same x get theirs from that result. A hit needs the same tensor
-    object (held by a weak reference), an unchanged version counter of x and of the result (no in-place
-    write since: the members' outputs are column views of one [.., sum N_i] tensor), the same current
-    CUDA stream (an entry made while a CUDA graph is captured never serves an eager call) and a member not
-    yet served from this entry; anything else computes the merged GEMM again, so results never depend on
-    the call order. Under torch.compile (and with `enabled = False`) each member runs alone.
+    At decode sizes such a GEMM is bound by streaming its weight and by the fixed cost of a launch and its
+    split-K reduction: one [sum N_i, K] GEMM costs about what the largest member alone does (Llama-3-8B int4
+    at M = 1: q/k/v 4096 -> 6144 in ~10.6 us on the H100 instead of 8.7 + 6.3 + 6.3), with no change to the
+    model's code. The first member called on x computes y = x @ [W_0; W_1; ...]^T + [b_0; b_1; ...] (each
+    row of y as the members would compute it: bit for bit for int8, up to float32 summation order
+    otherwise) and returns its column slice; the others called on the very same x get theirs from that
+    result. A hit needs the same tensor object (held by a weak reference), an unchanged version counter of x
+    and of the result (no in-place write since: the members' outputs are column views of one [.., sum N_i]
+    tensor), the same current CUDA stream and capture state (an entry made while a CUDA graph is captured
+    never serves an eager call) and a member not yet served from this entry; anything else computes the
+    merged GEMM again, so results never depend on the call order. Under torch.compile (and with
+    `enabled = False`) each member runs alone.
 
-    The members keep their own buffers (checkpoints are unchanged); the stacked `QuantizedWeight` is built
-    on first use and replaces the members' per-layer copies (built again only if a member runs alone)."""
+    Checkpoints are unchanged: the members keep their own tensors. Weight-only: the stacked
+    `QuantizedWeight` is built on first use and replaces the members' per-layer copies (rebuilt only if a
+    member runs alone). W8A8: the stacked weight and scales are one tensor whose row blocks become the
+    members' buffers (views: no extra memory); moving or casting a member rebuilds it on the next call."""
 
     def __init__(self, members):
         members = list(members)
-        if len(members) < 2 or not all(isinstance(m, WeightOnlyLinear) for m in members):
-            raise TypeError("members: expected two or more WeightOnlyLinear layers")
+        if len(members) < 2 or not all(_mergeable_kind(m) for m in members):
+            raise TypeError("members: expected two or more WeightOnlyLinear, Int8DynamicLinear or "
+                            f"Fp8DynamicLinear layers, got {[type(m).__name__ for m in members]}")
         for i, m in enumerate(members):
             if m._merged is not None:
                 raise ValueError(f"members[{i}]: already part of a MergedProjections")
@@ -795,21 +831,20 @@ class MergedProjections:
             raise ValueError(mismatch)
         self.enabled = True
         self.members = members
+        self.kind = type(members[0])
         self.bounds = []
         start = 0
         for m in members:
             self.bounds.append((start, start + m.out_features))
             start += m.out_features
         self.out_features = start
-        self._qw = None
-        self._bias = None
+        self._merged_layer = None  # weight-only: (QuantizedWeight, bias); W8A8: a layer of the members' class
         self._entry = None  # (weakref to x, x._version, stream, y, y._version, served indices, parts)
         for i, m in enumerate(members):
             m._merged = (self, i)
 
     def invalidate(self) -> None:
-        self._qw = None
-        self._bias = None
+        self._merged_layer = None
         self._entry = None
 
     def split(self) -> None:
@@ -818,20 +853,28 @@ class MergedProjections:
             m._merged = None
         self.invalidate()
 
-    def quantized_weight(self):
-        if self._qw is None:
+    def _build(self):
+        if self.kind is WeightOnlyLinear:
             from .weights import QuantizedWeight
 
-            parts = [m.quantized_weight() for m in self.members]
-            self._qw = QuantizedWeight.concat_rows(parts)
-            if any(m.bias is not None for m in self.members):
-                ref_bias = next(m.bias for m in self.members if m.bias is not None)
-                self._bias = torch.cat([m.bias if m.bias is not None else
-                                        torch.zeros(m.out_features, dtype=ref_bias.dtype, device=ref_bias.device)
-                                        for m in self.members])
+            qw = QuantizedWeight.concat_rows([m.quantized_weight() for m in self.members])
             for m in self.members:
                 m._qw = None  # the stacked copy serves them; rebuilt from the buffers if one runs alone
-        return self._qw
+            return qw, _stacked_biases(self.members)
+        layer = self.kind(torch.cat([m.weight for m in self.members]),
+                          torch.cat([m.weight_scale for m in self.members]), _stacked_biases(self.members))
+        for m, (a, b) in zip(self.members, self.bounds):
+            m._buffers["weight"] = layer.weight[a:b]
+            m._buffers["weight_scale"] = layer.weight_scale[a:b]
+        return layer
+
+    def _compute(self, x: Tensor) -> Tensor:
+        if self._merged_layer is None:
+            self._merged_layer = self._build()
+        if self.kind is WeightOnlyLinear:
+            qw, bias = self._merged_layer
+            return _weight_only_forward(x, qw, bias, self.out_features)
+        return self._merged_layer(x)
 
     def output(self, x: Tensor, index: int) -> Tensor:
         stream = (torch.cuda.current_stream(x.device).cuda_stream, torch.cuda.is_current_stream_capturing()) \
@@ -841,8 +884,7 @@ class MergedProjections:
                 and entry[3]._version == entry[4] and index not in entry[5]:
             entry[5].add(index)
             return entry[6][index]
-        qw = self.quantized_weight()
-        y = _weight_only_forward(x, qw, self._bias, self.out_features)
+        y = self._compute(x)
         parts = [y[..., a:b] for a, b in self.bounds]
         self._entry = (weakref.ref(x, self._drop), x._version, stream, y, y._version, {index}, parts)
         return parts[index]
@@ -868,7 +910,7 @@ def merged_groups(model: nn.Module) -> Dict[Tuple[str, ...], MergedProjections]:
     found = {}
     names = {id(m): n for n, m in model.named_modules()}
     for module in model.modules():
-        if isinstance(module, WeightOnlyLinear) and module._merged is not None:
+        if isinstance(module, QuantizedLinear) and module._merged is not None:
             group = module._merged[0]
             key = tuple(names.get(id(m), "?") for m in group.members)
             found[key] = group
@@ -877,9 +919,8 @@ def merged_groups(model: nn.Module) -> Dict[Tuple[str, ...], MergedProjections]:
 
 def merge_projections(model: nn.Module, groups=MERGE_GROUPS,
                       only: Optional[Callable[[str], bool]] = None) -> Dict[Tuple[str, ...], MergedProjections]:
-    """Merge sibling `WeightOnlyLinear` layers named in `groups` (children of one module with the same
-    in_features, bits, group size and scale dtype; two or more of a group's names present) into
-    `MergedProjections`. Layers already merged, and layers whose full name `only` rejects, are left as they
+    """Merge sibling layers named in `groups` (children of one module, of one mergeable class with the same
+    in_features and weight format: `MergedProjections`; two or more of a group's names present). Layers already merged, and layers whose full name `only` rejects, are left as they
     are. Returns the new groups by member names.
     A group's members must be called on the same tensor to gain anything (as attention's q/k/v and a
     gated MLP's gate/up are); called on different tensors each computes the whole merged GEMM (correct,
@@ -888,7 +929,7 @@ def merge_projections(model: nn.Module, groups=MERGE_GROUPS,
     for parent_name, parent in model.named_modules():
         prefix = f"{parent_name}." if parent_name else ""
         for names in groups:
-            present = [n for n in names if isinstance(getattr(parent, n, None), WeightOnlyLinear)
+            present = [n for n in names if _mergeable_kind(getattr(parent, n, None))
                        and getattr(parent, n)._merged is None and (only is None or only(prefix + n))]
             if len(present) < 2:
                 continue

@@ -89,10 +89,19 @@ class QuantConfig:
 class Int8DynamicConfig(QuantConfig):
     """INT8 weights per output channel, INT8 activations per token (dynamic). `fuse_gated_mlp`: gated MLPs
     (gate_proj/up_proj/down_proj with SiLU) become one `Int8DynamicGatedMLP` (one gate|up GEMM,
-    `silu_and_mul_quant` per token into the down projection)."""
+    `silu_and_mul_quant` per token into the down projection). `merge_projections`: sibling layers fed one
+    tensor (q_proj / k_proj / v_proj, ...: `modules.MERGE_GROUPS`) run as one GEMM over their stacked
+    weights (`modules.MergedProjections`: x quantized once, outputs bit for bit those of the layers alone)."""
 
     fuse_gated_mlp: bool = True
+    merge_projections: bool = True
     scheme = "int8_dynamic"
+
+    def __post_init__(self):
+        self._check_common()
+        for flag in ("fuse_gated_mlp", "merge_projections"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag}: expected a bool, got {type(getattr(self, flag)).__name__}")
 
     def convert(self, linear, stats=None):
         return Int8DynamicLinear.from_linear(linear)
@@ -100,11 +109,14 @@ class Int8DynamicConfig(QuantConfig):
 
 @dataclass
 class Fp8DynamicConfig(QuantConfig):
-    """FP8 e4m3 weights per output channel, FP8 activations per token (dynamic). `fuse_gated_mlp` as for
-    `Int8DynamicConfig` (`Fp8DynamicGatedMLP`)."""
+    """FP8 e4m3 weights per output channel, FP8 activations per token (dynamic). `fuse_gated_mlp` and
+    `merge_projections` as for `Int8DynamicConfig` (`Fp8DynamicGatedMLP`; merged outputs within float32
+    summation order of the layers alone)."""
 
     fuse_gated_mlp: bool = True
+    merge_projections: bool = True
     scheme = "fp8_dynamic"
+    __post_init__ = Int8DynamicConfig.__post_init__
 
     def convert(self, linear, stats=None):
         return Fp8DynamicLinear.from_linear(linear)
