@@ -34,15 +34,25 @@ DEV = "cuda"
 REL = 2.0**-7 + 2.0**-14
 
 
-def _layers(bits, group_size, symmetric, sizes=(4096, 1024, 1024), k=4096, bias=True):
-    torch.manual_seed(21)
+def _linears(sizes, k=4096, seed=21):
+    """bf16 nn.Linear layers K -> each of `sizes` (weights N(0, 0.02)); the middle one has no bias."""
+    torch.manual_seed(seed)
     out = []
     for i, n in enumerate(sizes):
-        lin = nn.Linear(k, n, bias=bias and i != 1, device=DEV, dtype=BF16)  # the middle one has no bias
+        lin = nn.Linear(k, n, bias=i != 1, device=DEV, dtype=BF16)
         with torch.no_grad():
             lin.weight.normal_(0.0, 0.02)
-        out.append(qm.WeightOnlyLinear.from_linear(lin, bits=bits, group_size=group_size, symmetric=symmetric))
+        out.append(lin)
     return out
+
+
+def _layers(bits, group_size, symmetric, sizes=(4096, 1024, 1024)):
+    return [qm.WeightOnlyLinear.from_linear(lin, bits=bits, group_size=group_size, symmetric=symmetric)
+            for lin in _linears(sizes)]
+
+
+def _w8a8_layers(layer_cls, sizes=(4096, 1024, 1024)):
+    return [layer_cls.from_linear(lin) for lin in _linears(sizes, seed=22)]
 
 
 def _assert_two_roundings(merged, alone, x, layer):
@@ -55,6 +65,67 @@ def _assert_two_roundings(merged, alone, x, layer):
     assert not bool(bad.any()), f"{int(bad.sum())} outputs beyond two roundings; worst {float((err / scale).max()):.3g}"
 
 
+def _merged_and_alone(group, layers, x):
+    merged = [layer(x) for layer in layers]
+    group.enabled = False
+    alone = [layer(x) for layer in layers]
+    group.enabled = True
+    return merged, alone
+
+
+def _graph_replay(layers, new):
+    """Capture the layers' calls on a static input in a CUDA graph, replay it on `new`'s values; returns
+    (the replayed outputs, eager calls on the static input after the capture)."""
+    static = torch.randn_like(new)
+    [layer(static) for layer in layers]  # build the stacked weight and compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = [layer(static) for layer in layers]
+    static.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [c.clone() for c in captured]
+    return replayed, [layer(static) for layer in layers]
+
+
+def _llama_layer_outputs(config_factory, seed, tokens, counted_op, monkeypatch):
+    """A transformers LlamaDecoderLayer (hidden 1024, bf16, weights N(0, 0.02)) quantized with each config of
+    `config_factory` (a list of callables); per config and per batch size in `tokens`: (output, launches of
+    `counted_op` in quantfuse.ops during the call)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+                                   num_key_value_heads=2, num_hidden_layers=1, max_position_embeddings=256)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    base = LlamaDecoderLayer(cfg, layer_idx=0)
+    with torch.no_grad():
+        for p in base.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    base = base.to(DEV, BF16).eval()
+    rope = LlamaRotaryEmbedding(cfg).to(DEV)
+    calls = []
+    original = getattr(qm.ops, counted_op)
+    monkeypatch.setattr(qm.ops, counted_op, lambda *a, **k: calls.append(1) or original(*a, **k))
+    results = []
+    for make in config_factory:
+        layer = copy.deepcopy(base)
+        qf.quantize_(layer, make(), progress=False)
+        per_tokens = []
+        for m in tokens:
+            x = torch.randn(m, 1, 1024, device=DEV, dtype=BF16, generator=torch.Generator(DEV).manual_seed(m))
+            pos = torch.zeros(m, 1, dtype=torch.long, device=DEV)
+            calls.clear()
+            with torch.no_grad():
+                out = layer(x, position_embeddings=rope(x, pos), position_ids=pos, attention_mask=None)
+            per_tokens.append((out[0] if isinstance(out, tuple) else out, len(calls)))
+        results.append(per_tokens)
+    return results
+
+
 @pytest.mark.parametrize("bits,group_size,symmetric", [(4, 128, True), (4, 128, False), (8, -1, True)])
 @pytest.mark.parametrize("sizes", [(4096, 1024, 1024), (14336, 14336)], ids=["qkv", "gate_up"])
 def test_merged_slices_match_each_layer(bits, group_size, symmetric, sizes):
@@ -62,10 +133,7 @@ def test_merged_slices_match_each_layer(bits, group_size, symmetric, sizes):
     group = qm.MergedProjections(layers)
     for m in (1, 4, 16, 33):
         x = torch.randn(m, 4096, device=DEV, dtype=BF16)
-        merged = [layer(x) for layer in layers]
-        group.enabled = False
-        alone = [layer(x) for layer in layers]
-        group.enabled = True
+        merged, alone = _merged_and_alone(group, layers, x)
         for a, b, layer in zip(merged, alone, layers):
             assert a.shape == b.shape == (m, layer.out_features) and a.dtype == BF16
             _assert_two_roundings(a, b, x, layer)
@@ -74,21 +142,10 @@ def test_merged_slices_match_each_layer(bits, group_size, symmetric, sizes):
 def test_cuda_graph_capture_and_eager_after():
     layers = _layers(4, 128, True)
     group = qm.MergedProjections(layers)
-    static = torch.randn(1, 4096, device=DEV, dtype=BF16)
-    [layer(static) for layer in layers]  # build the stacked weight and compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = [layer(static) for layer in layers]
     new = torch.randn(1, 4096, device=DEV, dtype=BF16)
-    static.copy_(new)
-    graph.replay()
-    torch.cuda.synchronize()
-    replayed = [c.clone() for c in captured]
-    eager = [layer(static) for layer in layers]  # after the capture: computed afresh, not the capture's entry
+    replayed, eager = _graph_replay(layers, new)  # eager after the capture: computed afresh
     group.enabled = False
     alone = [layer(new) for layer in layers]
-    group.enabled = True
     for r, e, a, layer in zip(replayed, eager, alone, layers):
         assert torch.equal(r, e)
         _assert_two_roundings(r, a, new, layer)
@@ -110,51 +167,12 @@ def test_torch_compile_runs_members_alone():
 
 
 def test_llama_layer_merged_vs_unmerged(monkeypatch):
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
-    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
-                                   num_key_value_heads=2, num_hidden_layers=1, max_position_embeddings=256)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(6)
-    base = LlamaDecoderLayer(cfg, layer_idx=0)
-    with torch.no_grad():
-        for p in base.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.02)
-    base = base.to(DEV, BF16).eval()
-    rope = LlamaRotaryEmbedding(cfg).to(DEV)
-    merged_layer = copy.deepcopy(base)
-    qf.quantize_(merged_layer, qf.Int4WeightOnlyConfig(), progress=False)
-    plain = copy.deepcopy(base)
-    qf.quantize_(plain, qf.Int4WeightOnlyConfig(merge_projections=False), progress=False)
-    calls = []
-    original = qm.ops.weight_only_mm
-    monkeypatch.setattr(qm.ops, "weight_only_mm", lambda *a: calls.append(1) or original(*a))
-    for tokens in (1, 16):
-        x = torch.randn(tokens, 1, 1024, device=DEV, dtype=BF16)
-        pos = torch.zeros(tokens, 1, dtype=torch.long, device=DEV)
-        with torch.no_grad():
-            outs = []
-            for layer in (merged_layer, plain):
-                calls.clear()
-                out = layer(x, position_embeddings=rope(x, pos), position_ids=pos, attention_mask=None)
-                outs.append((out[0] if isinstance(out, tuple) else out).float())
-                outs[-1] = (outs[-1], len(calls))
-        (a, na), (b, nb) = outs
+    merged, plain = _llama_layer_outputs([qf.Int4WeightOnlyConfig,
+                                          lambda: qf.Int4WeightOnlyConfig(merge_projections=False)],
+                                         6, (1, 16), "weight_only_mm", monkeypatch)
+    for (a, na), (b, nb) in zip(merged, plain):
         assert (na, nb) == (4, 7)
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
-
-
-def _w8a8_layers(layer_cls, sizes=(4096, 1024, 1024), k=4096):
-    torch.manual_seed(22)
-    out = []
-    for i, n in enumerate(sizes):
-        lin = nn.Linear(k, n, bias=i != 1, device=DEV, dtype=BF16)
-        with torch.no_grad():
-            lin.weight.normal_(0.0, 0.02)
-        out.append(layer_cls.from_linear(lin))
-    return out
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("layer_cls", [qm.Int8DynamicLinear, qm.Fp8DynamicLinear])
@@ -163,10 +181,7 @@ def test_w8a8_merged_slices_match_each_layer(layer_cls):
     group = qm.MergedProjections(layers)
     for m in (1, 4, 16, 33, 2048):
         x = torch.randn(m, 4096, device=DEV, dtype=BF16)
-        merged = [layer(x) for layer in layers]
-        group.enabled = False
-        alone = [layer(x) for layer in layers]
-        group.enabled = True
+        merged, alone = _merged_and_alone(group, layers, x)
         for a, b, layer in zip(merged, alone, layers):
             assert a.shape == b.shape == (m, layer.out_features)
             if layer_cls is qm.Int8DynamicLinear:
@@ -178,45 +193,16 @@ def test_w8a8_merged_slices_match_each_layer(layer_cls):
 def test_w8a8_merged_under_cuda_graph():
     layers = _w8a8_layers(qm.Int8DynamicLinear)
     group = qm.MergedProjections(layers)
-    static = torch.randn(1, 4096, device=DEV, dtype=BF16)
-    [layer(static) for layer in layers]
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = [layer(static) for layer in layers]
     new = torch.randn(1, 4096, device=DEV, dtype=BF16)
-    static.copy_(new)
-    graph.replay()
-    torch.cuda.synchronize()
+    replayed, eager = _graph_replay(layers, new)
     group.enabled = False
-    alone = [layer(new) for layer in layers]
-    for c, a in zip(captured, alone):
-        assert torch.equal(c, a)
+    for r, e, a in zip(replayed, eager, [layer(new) for layer in layers]):
+        assert torch.equal(r, a) and torch.equal(e, a)
 
 
 def test_llama_layer_int8_dynamic_merged_bit_exact(monkeypatch):
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
-    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
-                                   num_key_value_heads=2, num_hidden_layers=1, max_position_embeddings=256)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(8)
-    base = LlamaDecoderLayer(cfg, layer_idx=0).to(DEV, BF16).eval()
-    rope = LlamaRotaryEmbedding(cfg).to(DEV)
-    calls = []
-    original = qm.ops.scaled_mm
-    monkeypatch.setattr(qm.ops, "scaled_mm", lambda *a, **k: calls.append(1) or original(*a, **k))
-    x = torch.randn(4, 1, 1024, device=DEV, dtype=BF16)
-    pos = torch.zeros(4, 1, dtype=torch.long, device=DEV)
-    outs = []
-    for merge in (True, False):
-        layer = copy.deepcopy(base)
-        qf.quantize_(layer, qf.Int8DynamicConfig(merge_projections=merge), progress=False)
-        calls.clear()
-        with torch.no_grad():
-            out = layer(x, position_embeddings=rope(x, pos), position_ids=pos, attention_mask=None)
-        outs.append((out[0] if isinstance(out, tuple) else out, len(calls)))
-    (a, na), (b, nb) = outs
+    merged, plain = _llama_layer_outputs([qf.Int8DynamicConfig, lambda: qf.Int8DynamicConfig(merge_projections=False)],
+                                         8, (4,), "scaled_mm", monkeypatch)
+    (a, na), (b, nb) = merged[0], plain[0]
     assert (na, nb) == (4, 6)
     assert torch.equal(a, b)
