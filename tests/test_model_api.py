@@ -670,27 +670,41 @@ def test_merged_projections_in_a_transformers_llama_layer(monkeypatch, tmp_path)
         Int4WeightOnlyConfig(merge_projections=1)
 
 
-@pytest.mark.parametrize("layer_cls", [qm.Int8DynamicLinear, qm.Fp8DynamicLinear])
-def test_merged_w8a8_projections_equal_the_layers_alone(layer_cls, monkeypatch, tmp_path):
-    """Dynamic W8A8 q/k/v as one scaled_mm: x quantized once, each output the layer's own (int8: bit for
-    bit, exact int32 sums), the members' weights become row blocks of one stacked tensor (no extra memory),
-    a dtype cast rebuilds the stack, and a checkpoint of the merged model round-trips."""
+# (layer class, constructor from an nn.Linear, output sizes, the op its GEMM goes through)
+W8A8_MERGE_CASES = {
+    "int8_dynamic": (qm.Int8DynamicLinear, qm.Int8DynamicLinear.from_linear, (96, 32, 40), "scaled_mm"),
+    "fp8_dynamic": (qm.Fp8DynamicLinear, qm.Fp8DynamicLinear.from_linear, (96, 32, 40), "scaled_mm"),
+    "int8_static": (qm.Int8StaticLinear, lambda lin: qm.Int8StaticLinear.from_linear(lin, amax=3.0), (96, 32, 40),
+                    "scaled_mm"),
+    "int8_static_azp": (qm.Int8StaticLinear,
+                        lambda lin: qm.Int8StaticLinear.from_linear(lin, input_range=(-2.0, 3.5)), (96, 32, 40),
+                        "scaled_mm"),
+    "fp8_block": (qm.Fp8BlockLinear, qm.Fp8BlockLinear.from_linear, (256, 128, 40), "scaled_mm_blockwise"),
+}
+
+
+@pytest.mark.parametrize("case", list(W8A8_MERGE_CASES))
+def test_merged_w8a8_projections_equal_the_layers_alone(case, monkeypatch, tmp_path):
+    """W8A8 q/k/v as one GEMM: x quantized once, each output the layer's own (int8: bit for bit, exact int32
+    sums and the same epilogue), the members' weights and scales become row blocks of one stacked tensor (no
+    extra memory), a dtype cast rebuilds the stack, and a checkpoint of the merged model round-trips."""
+    layer_cls, make, sizes, op = W8A8_MERGE_CASES[case]
     torch.manual_seed(12)
-    layers = [layer_cls.from_linear(nn.Linear(128, n, bias=b)) for n, b in ((96, True), (32, False), (40, True))]
+    layers = [make(nn.Linear(128, n, bias=b)) for n, b in zip(sizes, (True, False, True))]
     mm_calls = []
-    original_mm = qm.ops.scaled_mm
-    monkeypatch.setattr(qm.ops, "scaled_mm", lambda *a, **k: mm_calls.append(a[1].shape) or original_mm(*a, **k))
+    original_mm = getattr(qm.ops, op)
+    monkeypatch.setattr(qm.ops, op, lambda *a, **k: mm_calls.append(a[1].shape) or original_mm(*a, **k))
     x = torch.randn(2, 5, 128, dtype=torch.bfloat16)
     group = qm.MergedProjections(layers)
     merged = [layer(x) for layer in layers]
-    assert mm_calls == [(128, 168)]
+    assert mm_calls == [(128, sum(sizes))]
     storage = {layer.weight.untyped_storage().data_ptr() for layer in layers}
     assert len(storage) == 1 and all(layer.weight.is_contiguous() for layer in layers)
     group.enabled = False
     alone = [layer(x) for layer in layers]
     group.enabled = True
     for a, b in zip(merged, alone):
-        if layer_cls is qm.Int8DynamicLinear:
+        if layer_cls in (qm.Int8DynamicLinear, qm.Int8StaticLinear):
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a, b, rtol=2**-8, atol=1e-6)
@@ -703,11 +717,25 @@ def test_merged_w8a8_projections_equal_the_layers_alone(layer_cls, monkeypatch, 
     assert len(mm_calls) == 1 and all(o.dtype == torch.float16 for o in outs)
     save_quantized(parent, tmp_path)
     skeleton = nn.Module()
-    skeleton.q_proj, skeleton.k_proj, skeleton.v_proj = (nn.Linear(128, n) for n in (96, 32, 40))
+    skeleton.q_proj, skeleton.k_proj, skeleton.v_proj = (nn.Linear(128, n) for n in sizes)
     loaded = load_quantized(tmp_path, skeleton).half()
     assert sorted(qm.merged_groups(loaded)) == [("q_proj", "k_proj", "v_proj")]
     for a, b in zip(outs, [loaded.q_proj(xh), loaded.k_proj(xh), loaded.v_proj(xh)]):
         assert torch.equal(a, b)
+
+
+def test_merge_refuses_static_scales_that_differ_and_ragged_fp8_blocks():
+    torch.manual_seed(13)
+    a, b = (qm.Int8StaticLinear.from_linear(nn.Linear(128, 32), amax=v) for v in (3.0, 4.0))
+    with pytest.raises(ValueError, match="input_scale"):
+        qm.MergedProjections([a, b])
+    parent = nn.Module()
+    parent.q_proj, parent.k_proj = a, b
+    assert qm.merge_projections(parent) == {}
+    c, d = (qm.Fp8BlockLinear.from_linear(nn.Linear(128, n)) for n in (100, 128))
+    with pytest.raises(ValueError, match="whole 128-row"):
+        qm.MergedProjections([c, d])
+    qm.MergedProjections([d, c])  # a ragged last member is fine
 
 
 def test_merged_w8a8_in_a_transformers_llama_layer(monkeypatch):

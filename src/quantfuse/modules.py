@@ -330,6 +330,17 @@ class _ScaledMMLinear(QuantizedLinear):
         """W_hat = q * s_w[n] in float32, one rounding to `dtype`."""
         return (self.weight.float() * self.weight_scale).to(dtype)
 
+    @classmethod
+    def _stacked(cls, members) -> "_ScaledMMLinear":
+        """One layer of this class computing all `members`' outputs (`MergedProjections`)."""
+        return cls(torch.cat([m.weight for m in members]), torch.cat([m.weight_scale for m in members]),
+                   _stacked_biases(members))
+
+    @staticmethod
+    def _scale_rows(a: int, b: int) -> Tuple[int, int]:
+        """Rows of weight_scale that belong to output channels a..b-1 (one per channel)."""
+        return a, b
+
     def _mm(self, q: Tensor, scale_a: Tensor, out_dtype: torch.dtype, azp_adj=None) -> Tensor:
         return ops.scaled_mm(q, self.weight.t(), scale_a, self.weight_scale, out_dtype=out_dtype,
                              bias=self.bias, azp_adj=azp_adj)
@@ -423,6 +434,11 @@ class Int8StaticLinear(_ScaledMMLinear):
         return self.input_zero_point is None
 
     @classmethod
+    def _stacked(cls, members) -> "Int8StaticLinear":  # the members share input_scale / zero point (checked)
+        return cls(torch.cat([m.weight for m in members]), torch.cat([m.weight_scale for m in members]),
+                   _stacked_biases(members), members[0].input_scale, members[0].input_zero_point)
+
+    @classmethod
     def from_linear(cls, linear: nn.Linear, amax: Optional[float] = None,
                     input_range: Optional[Tuple[float, float]] = None) -> "Int8StaticLinear":
         """`amax` (symmetric) or `input_range=(lo, hi)` (asymmetric) of the layer's input, from calibration."""
@@ -441,6 +457,9 @@ class Int8StaticLinear(_ScaledMMLinear):
         return cls(q, s, linear.bias, ref.dynamic_scale(amax_t, torch.int8))
 
     def forward(self, x: Tensor) -> Tensor:
+        merged = self._merged_output(x)
+        if merged is not None:
+            return merged
         out_dtype = _out_dtype(x)
         q, scale, _ = ops.quantize_per_tensor(_rows(x), torch.int8, self.input_scale, self.input_zero_point)
         return self._mm(q, scale, out_dtype, azp_adj=self.azp_adj).reshape(*x.shape[:-1], self.out_features)
@@ -500,9 +519,22 @@ class Fp8BlockLinear(QuantizedLinear):
         return ops.scaled_mm_blockwise(q, self.weight.t(), scales, self.scale_b, out_dtype=out_dtype, bias=self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        merged = self._merged_output(x)
+        if merged is not None:
+            return merged
         out_dtype = _out_dtype(x)
         q, scales = SHARED_INPUT.get(x, (type(self).quantize_input,), lambda: self.quantize_input(_rows(x)))
         return self.matmul_quantized(q, scales, out_dtype).reshape(*x.shape[:-1], self.out_features)
+
+    @classmethod
+    def _stacked(cls, members) -> "Fp8BlockLinear":  # all but the last member whole 128-row blocks (checked)
+        return cls(torch.cat([m.weight for m in members]), torch.cat([m.weight_scale for m in members]),
+                   _stacked_biases(members))
+
+    @staticmethod
+    def _scale_rows(a: int, b: int) -> Tuple[int, int]:
+        """Rows of the 128x128 block scales that belong to output channels a..b-1 (a a multiple of 128)."""
+        return a // BLOCK, -(-b // BLOCK)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """W_hat[n, k] = q[n, k] * s_w[n // 128, k // 128] in float32, one rounding to `dtype`."""
@@ -769,7 +801,8 @@ def _weight_only_forward(x: Tensor, qw, bias: Optional[Tensor], out_features: in
 def _mergeable_kind(layer) -> Optional[type]:
     """The class a layer merges as (exactly: fp8 layers subclass the int8 ones), or None."""
     kind = type(layer)
-    return kind if kind in (WeightOnlyLinear, Int8DynamicLinear, Fp8DynamicLinear) else None
+    return kind if kind in (WeightOnlyLinear, Int8DynamicLinear, Fp8DynamicLinear, Int8StaticLinear,
+                            Fp8BlockLinear) else None
 
 
 def _merge_mismatch(layers) -> Optional[str]:
@@ -777,13 +810,21 @@ def _merge_mismatch(layers) -> Optional[str]:
     weight format and device."""
     from .weights import first_mismatch
 
+    kind = _mergeable_kind(layers[0])
     fields = {"class": lambda m: type(m).__name__, "in_features": lambda m: m.in_features}
-    if _mergeable_kind(layers[0]) is WeightOnlyLinear:
+    if kind is WeightOnlyLinear:
         fields.update({"bits": lambda m: m.bits, "group_size": lambda m: m.group_size,
                        "scale dtype": lambda m: m.weight_scale.dtype, "device": lambda m: m.weight_packed.device})
     else:
         fields.update({"weight dtype": lambda m: m.weight.dtype, "device": lambda m: m.weight.device})
-    return first_mismatch("members", layers, fields)
+    if kind is Int8StaticLinear:  # one quantization of x serves all: the calibrated scale and zero point agree
+        fields.update({"input_scale": lambda m: float(m.input_scale),
+                       "input_zero_point": lambda m: None if m.input_zero_point is None else int(m.input_zero_point)})
+    mismatch = first_mismatch("members", layers, fields)
+    if mismatch is None and kind is Fp8BlockLinear and any(m.out_features % BLOCK for m in layers[:-1]):
+        return (f"members: fp8 block layers share a GEMM only when every member but the last has whole "
+                f"{BLOCK}-row weight blocks, got out_features {[m.out_features for m in layers]}")
+    return mismatch
 
 
 def _stacked_biases(members) -> Optional[Tensor]:
@@ -796,9 +837,10 @@ def _stacked_biases(members) -> Optional[Tensor]:
 
 class MergedProjections:
     """Sibling layers that read the same tensor (attention's q_proj / k_proj / v_proj, a gated MLP's
-    gate_proj / up_proj) run as one GEMM over their stacked weights: weight-only layers (`WeightOnlyLinear`)
-    or dynamic W8A8 ones (`Int8DynamicLinear`, `Fp8DynamicLinear`; x is quantized once either way, see
-    `SharedInputQuantization`).
+    gate_proj / up_proj) run as one GEMM over their stacked weights: weight-only layers (`WeightOnlyLinear`),
+    W8A8 ones (`Int8DynamicLinear`, `Fp8DynamicLinear`, `Fp8BlockLinear`: x is quantized once either way, see
+    `SharedInputQuantization`), and `Int8StaticLinear` ones with the same calibrated input scale and zero
+    point (x quantized once instead of once per layer).
 
     At decode sizes such a GEMM is bound by streaming its weight and by the fixed cost of a launch and its
     split-K reduction: one [sum N_i, K] GEMM costs about what the largest member alone does (Llama-3-8B int4
@@ -816,7 +858,9 @@ class MergedProjections:
     Checkpoints are unchanged: the members keep their own tensors. Weight-only: the stacked
     `QuantizedWeight` is built on first use and replaces the members' per-layer copies (rebuilt only if a
     member runs alone). W8A8: the stacked weight and scales are one tensor whose row blocks become the
-    members' buffers (views: no extra memory); moving or casting a member rebuilds it on the next call."""
+    members' buffers (views: no extra memory); moving or casting a member rebuilds it on the next call.
+    (A static layer's int32 zero-point correction and an fp8 block layer's transposed scales are small
+    per-layer copies, kept.)"""
 
     def __init__(self, members):
         members = list(members)
@@ -861,11 +905,11 @@ class MergedProjections:
             for m in self.members:
                 m._qw = None  # the stacked copy serves them; rebuilt from the buffers if one runs alone
             return qw, _stacked_biases(self.members)
-        layer = self.kind(torch.cat([m.weight for m in self.members]),
-                          torch.cat([m.weight_scale for m in self.members]), _stacked_biases(self.members))
+        layer = self.kind._stacked(self.members)
         for m, (a, b) in zip(self.members, self.bounds):
+            r0, r1 = m._scale_rows(a, b)
             m._buffers["weight"] = layer.weight[a:b]
-            m._buffers["weight_scale"] = layer.weight_scale[a:b]
+            m._buffers["weight_scale"] = layer.weight_scale[r0:r1]
         return layer
 
     def _compute(self, x: Tensor) -> Tensor:

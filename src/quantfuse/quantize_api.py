@@ -125,10 +125,13 @@ class Fp8DynamicConfig(QuantConfig):
 @dataclass
 class Fp8BlockConfig(QuantConfig):
     """FP8 with 128x128 weight blocks and 1x128 dynamic activation groups. `fuse_gated_mlp`: gated MLPs
-    (gate_proj/up_proj/down_proj with SiLU) become one `Fp8BlockGatedMLP` using `silu_and_mul_quant`."""
+    (gate_proj/up_proj/down_proj with SiLU) become one `Fp8BlockGatedMLP` using `silu_and_mul_quant`.
+    `merge_projections` as for `Int8DynamicConfig` (members but the last need whole 128-row blocks)."""
 
     fuse_gated_mlp: bool = True
+    merge_projections: bool = True
     scheme = "fp8_block"
+    __post_init__ = Int8DynamicConfig.__post_init__
 
     def convert(self, linear, stats=None):
         return Fp8BlockLinear.from_linear(linear)
@@ -140,12 +143,15 @@ class Int8StaticConfig(QuantConfig):
 
     calibrator: "max" (running max |x|), or a histogram method "percentile" (at `percentile`), "mse",
     "entropy" (SPEC section 5). symmetric=False calibrates the input range [lo, hi] (running min/max,
-    clipped to [-amax, amax] of the chosen calibrator) and uses a zero point (the azp epilogue)."""
+    clipped to [-amax, amax] of the chosen calibrator) and uses a zero point (the azp epilogue).
+    merge_projections: siblings fed one tensor (q/k/v) calibrate to the same scale and then run as one
+    GEMM with x quantized once (`modules.MergedProjections`)."""
 
     calibrator: str = "max"
     symmetric: bool = True
     percentile: float = 99.99
     num_bins: int = 2048
+    merge_projections: bool = True
     scheme = "int8_static"
     needs_calibration = True
 
@@ -153,8 +159,9 @@ class Int8StaticConfig(QuantConfig):
         self._check_common()
         if self.calibrator not in CALIBRATORS:
             raise ValueError(f"calibrator: expected one of {CALIBRATORS}, got {self.calibrator!r}")
-        if not isinstance(self.symmetric, bool):
-            raise TypeError(f"symmetric: expected a bool, got {type(self.symmetric).__name__}")
+        for flag in ("symmetric", "merge_projections"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag}: expected a bool, got {type(getattr(self, flag)).__name__}")
         if isinstance(self.percentile, bool) or not isinstance(self.percentile, (int, float)) \
                 or not 0 < self.percentile <= 100:
             raise ValueError(f"percentile: expected a number in (0, 100], got {self.percentile!r}")

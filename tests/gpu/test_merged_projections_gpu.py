@@ -12,9 +12,9 @@ kernel at M = 1):
 - torch.compile of a function calling the members runs them one by one, to the same values;
 - a transformers LlamaDecoderLayer (hidden 1024) quantized int4: the merged layer's output against the
   unmerged one's, and 4 GEMM launches per call instead of 7;
-- dynamic W8A8 q|k|v (4096 -> 6144): int8 slices bit for bit the layers' own (exact int32 sums, same
-  epilogue per element) at M in {1, 4, 16, 33, 2048}, fp8 within two output roundings; under a CUDA graph
-  too; a Llama layer with int8_dynamic gives the unmerged layer's output bit for bit with 4 scaled_mm
+- W8A8 q|k|v (4096 -> 6144; int8 / fp8 dynamic, int8 static with and without zero point, fp8 blocks): int8
+  slices bit for bit the layers' own (exact int32 sums, same epilogue per element) at M in {1, 4, 16, 33,
+  2048}, fp8 within two output roundings; int8 dynamic under a CUDA graph too; a Llama layer with int8_dynamic gives the unmerged layer's output bit for bit with 4 scaled_mm
   launches instead of 6.
 """
 
@@ -51,8 +51,19 @@ def _layers(bits, group_size, symmetric, sizes=(4096, 1024, 1024)):
             for lin in _linears(sizes)]
 
 
-def _w8a8_layers(layer_cls, sizes=(4096, 1024, 1024)):
-    return [layer_cls.from_linear(lin) for lin in _linears(sizes, seed=22)]
+# W8A8 layer constructors from an nn.Linear, and whether a merged slice must equal the layer's own bit for bit
+# (int8: exact int32 sums and the same epilogue per element; fp8: float32 sums in another order)
+W8A8 = {
+    "int8_dynamic": (qm.Int8DynamicLinear.from_linear, True),
+    "fp8_dynamic": (qm.Fp8DynamicLinear.from_linear, False),
+    "int8_static": (lambda lin: qm.Int8StaticLinear.from_linear(lin, amax=4.0), True),
+    "int8_static_azp": (lambda lin: qm.Int8StaticLinear.from_linear(lin, input_range=(-3.0, 5.0)), True),
+    "fp8_block": (qm.Fp8BlockLinear.from_linear, False),
+}
+
+
+def _w8a8_layers(case, sizes=(4096, 1024, 1024)):
+    return [W8A8[case][0](lin) for lin in _linears(sizes, seed=22)]
 
 
 def _assert_two_roundings(merged, alone, x, layer):
@@ -175,23 +186,23 @@ def test_llama_layer_merged_vs_unmerged(monkeypatch):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("layer_cls", [qm.Int8DynamicLinear, qm.Fp8DynamicLinear])
-def test_w8a8_merged_slices_match_each_layer(layer_cls):
-    layers = _w8a8_layers(layer_cls)
+@pytest.mark.parametrize("case", list(W8A8))
+def test_w8a8_merged_slices_match_each_layer(case):
+    layers = _w8a8_layers(case)
     group = qm.MergedProjections(layers)
     for m in (1, 4, 16, 33, 2048):
         x = torch.randn(m, 4096, device=DEV, dtype=BF16)
         merged, alone = _merged_and_alone(group, layers, x)
         for a, b, layer in zip(merged, alone, layers):
             assert a.shape == b.shape == (m, layer.out_features)
-            if layer_cls is qm.Int8DynamicLinear:
+            if W8A8[case][1]:
                 assert torch.equal(a, b), f"M={m}"
             else:
                 _assert_two_roundings(a, b, x, layer)
 
 
 def test_w8a8_merged_under_cuda_graph():
-    layers = _w8a8_layers(qm.Int8DynamicLinear)
+    layers = _w8a8_layers("int8_dynamic")
     group = qm.MergedProjections(layers)
     new = torch.randn(1, 4096, device=DEV, dtype=BF16)
     replayed, eager = _graph_replay(layers, new)
