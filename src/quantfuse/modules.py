@@ -208,6 +208,10 @@ class QuantizedLinear(nn.Module):
         group, index = self._merged
         if not group.enabled or torch.compiler.is_compiling():
             return None
+        if group._merged_layer is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # stacking the weights inside a capture would record the copies into the graph (re-run on every
+            # replay) and leave them unwritten until the first replay: run alone until an eager call stacks
+            return None
         return group.output(x, index)
 
     def extra_repr(self) -> str:
@@ -853,7 +857,8 @@ class MergedProjections:
     tensor), the same current CUDA stream and capture state (an entry made while a CUDA graph is captured
     never serves an eager call) and a member not yet served from this entry; anything else computes the
     merged GEMM again, so results never depend on the call order. Under torch.compile (and with
-    `enabled = False`) each member runs alone.
+    `enabled = False`) each member runs alone; so it does in a CUDA graph capture that comes before any eager
+    call has stacked the weights (run the model once before capturing, as usual).
 
     Checkpoints are unchanged: the members keep their own tensors. Weight-only: the stacked
     `QuantizedWeight` is built on first use and replaces the members' per-layer copies (rebuilt only if a

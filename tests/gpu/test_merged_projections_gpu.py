@@ -217,3 +217,27 @@ def test_llama_layer_int8_dynamic_merged_bit_exact(monkeypatch):
     (a, na), (b, nb) = merged[0], plain[0]
     assert (na, nb) == (4, 6)
     assert torch.equal(a, b)
+
+
+def test_capture_before_any_eager_call_runs_members_alone():
+    """A capture that comes first must not stack the weights inside the graph: the members run alone in it
+    (the replay equals the unmerged layers bit for bit), and the next eager call stacks and merges."""
+    layers = _w8a8_layers("int8_dynamic")
+    group = qm.MergedProjections(layers)
+    static = torch.randn(2, 4096, device=DEV, dtype=BF16)
+    group.enabled = False
+    [layer(static) for layer in layers]  # compile the kernels outside the capture, without stacking
+    group.enabled = True
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = [layer(static) for layer in layers]
+    assert group._merged_layer is None
+    new = torch.randn(2, 4096, device=DEV, dtype=BF16)
+    static.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = [layer(new) for layer in layers]
+    assert group._merged_layer is not None
+    for c, e in zip(captured, eager):
+        assert torch.equal(c, e)
