@@ -216,9 +216,6 @@ def main():
 
     columns = ["scheme", "K", "N", "M", "path", "ours_us", "bf16_us", "tinygemm_us", "speedup_vs_bf16",
                "speedup_vs_tinygemm", "weight_GBs", "frac_copy_bw", "fused_us"]
-    for r in rows:
-        for c in columns:
-            r.setdefault(c, "n/a")
     if tinygemm_status["ok"]:
         tg = "ok; mean rel diff vs ours at M=16: " + ", ".join(f"{s} {v:.2g}" for s, v in tinygemm_status.get("check", {}).items())
         if tinygemm_status.get("run_errors"):
@@ -234,14 +231,7 @@ def main():
     title = "Weight-only INT4/INT8 GEMM (W4A16 g128, W8A16) vs bf16 and tinygemm"
     if SCALE_DTYPE != torch.float32:
         title += f", {str(SCALE_DTYPE)[6:]} scales (packed conversion where it applies)"
-    path = common.write_result(name, title,
-                               rows, columns=columns, notes=notes,
-                               extra={"tiles": [dict(t_) for t_ in table["tiles"]]})
-    print()
-    common.print_table(rows, ["scheme", "K", "N", "M", "path", "ours_us", "bf16_us", "tinygemm_us", "speedup_vs_bf16",
-                              "speedup_vs_tinygemm", "weight_GBs", "frac_copy_bw", "fused_us"])
-    print(notes)
-    print("wrote", path)
+    common.finish(name, title, rows, columns, notes, extra={"tiles": [dict(t_) for t_ in table["tiles"]]})
 
 
 if __name__ == "__main__":

@@ -152,6 +152,21 @@ def write_result(
     return path
 
 
+def finish(name: str, title: str, rows: List[Dict[str, object]], columns: List[str], notes: str,
+           extra: Optional[Dict[str, object]] = None) -> str:
+    """The end of a sweep: every row gets every column ("n/a" where it has none), the result file is written,
+    the table, the notes and the path are printed; returns the path."""
+    for r in rows:
+        for c in columns:
+            r.setdefault(c, "n/a")
+    path = write_result(name, title, rows, columns=columns, notes=notes, extra=extra)
+    print()
+    print_table(rows, columns)
+    print(notes)
+    print("wrote", path)
+    return path
+
+
 def print_table(rows: List[Dict[str, object]], columns: Optional[List[str]] = None) -> None:
     if not rows:
         return

@@ -117,18 +117,11 @@ def main():
         torch.cuda.empty_cache()
     columns = ["K", "N", "M", "config", "us", "bf16_us", "tinygemm_us", "vs_bf16", "vs_tinygemm", "vs_shipped",
                "frac_copy_bw", "rel_err", "error"]
-    for r in rows:
-        for c in columns:
-            r.setdefault(c, "n/a")
     notes = (f"W4A16 g128 symmetric, float32 scales, bf16 x; CUDA graphs, weights rotated past L2; copy bandwidth "
              f"{bw:.0f} GB/s in this run; frac_copy_bw = packed weight + scales bytes / time / copy bandwidth. "
              f"vs_shipped: the shipped dispatch's time / this config's. total {time.time() - start:.0f} s")
-    path = common.write_result(os.environ.get("TUNE_OUT_NAME", "tune_gemv_mma"),
-                               "Gluon tensor-core int4 decode configs vs the shipped path, bf16 and tinygemm", rows,
-                               columns, notes)
-    common.print_table(rows, columns)
-    print(notes)
-    print("wrote", path)
+    common.finish(os.environ.get("TUNE_OUT_NAME", "tune_gemv_mma"),
+                  "Gluon tensor-core int4 decode configs vs the shipped path, bf16 and tinygemm", rows, columns, notes)
 
 
 if __name__ == "__main__":

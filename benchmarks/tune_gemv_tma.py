@@ -107,17 +107,11 @@ def main():
             del qw_sets, sets
             torch.cuda.empty_cache()
     columns = ["scheme", "K", "N", "config", "us", "bf16_us", "vs_bf16", "vs_tl", "frac_copy_bw", "rel_err", "error"]
-    for r in rows:
-        for c in columns:
-            r.setdefault(c, "n/a")
     notes = (f"M = 1, bf16 x, float32 scales; CUDA graphs, weights rotated past L2; copy bandwidth {bw:.0f} GB/s "
              f"(read + write) in this run; frac_copy_bw = packed weight + scales bytes / time / copy bandwidth. "
              f"vs_tl: the shipped tl GEMV's time / this config's. total {time.time() - start:.0f} s")
-    path = common.write_result(os.environ.get("TUNE_OUT_NAME", "tune_gemv_tma"),
-                               "Gluon TMA GEMV configs vs the tl GEMV and bf16 (M = 1)", rows, columns, notes)
-    common.print_table(rows, columns)
-    print(notes)
-    print("wrote", path)
+    common.finish(os.environ.get("TUNE_OUT_NAME", "tune_gemv_tma"),
+                  "Gluon TMA GEMV configs vs the tl GEMV and bf16 (M = 1)", rows, columns, notes)
 
 
 if __name__ == "__main__":

@@ -555,11 +555,12 @@ class Fp8BlockLinear(QuantizedLinear):
                 "input_activations": _ct_args(8, "float", "group", dynamic=True, group_size=BLOCK)}
 
 
-def _stacked_bias(gate: nn.Module, up: nn.Module) -> Optional[Tensor]:
-    if gate.bias is None and up.bias is None:
+def _stacked_biases(members) -> Optional[Tensor]:
+    if all(m.bias is None for m in members):
         return None
-    return torch.cat([gate.bias if gate.bias is not None else torch.zeros_like(up.bias),
-                      up.bias if up.bias is not None else torch.zeros_like(gate.bias)])
+    ref_bias = next(m.bias for m in members if m.bias is not None)
+    return torch.cat([m.bias if m.bias is not None else
+                      torch.zeros(m.out_features, dtype=ref_bias.dtype, device=ref_bias.device) for m in members])
 
 
 class GatedMLP(nn.Module):
@@ -600,7 +601,7 @@ class GatedMLP(nn.Module):
     @classmethod
     def from_layers(cls, gate: nn.Module, up: nn.Module, down: nn.Module) -> "GatedMLP":
         gate_up = cls.layer_class(torch.cat([gate.weight, up.weight]), torch.cat([gate.weight_scale, up.weight_scale]),
-                                  _stacked_bias(gate, up))
+                                  _stacked_biases([gate, up]))
         return cls(gate_up, down)
 
     def split_layers(self) -> Dict[str, nn.Module]:
@@ -829,14 +830,6 @@ def _merge_mismatch(layers) -> Optional[str]:
         return (f"members: fp8 block layers share a GEMM only when every member but the last has whole "
                 f"{BLOCK}-row weight blocks, got out_features {[m.out_features for m in layers]}")
     return mismatch
-
-
-def _stacked_biases(members) -> Optional[Tensor]:
-    if all(m.bias is None for m in members):
-        return None
-    ref_bias = next(m.bias for m in members if m.bias is not None)
-    return torch.cat([m.bias if m.bias is not None else
-                      torch.zeros(m.out_features, dtype=ref_bias.dtype, device=ref_bias.device) for m in members])
 
 
 class MergedProjections:

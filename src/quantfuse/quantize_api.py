@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -60,6 +60,9 @@ class QuantConfig:
         self._check_common()
 
     def _check_common(self) -> None:
+        for f in fields(self):  # every flag of every config (symmetric, fuse_gated_mlp, merge_projections, ...)
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise TypeError(f"{f.name}: expected a bool, got {type(getattr(self, f.name)).__name__}")
         if isinstance(self.skip, str):
             self.skip = (self.skip,)
         if not isinstance(self.skip, (tuple, list)) or not all(isinstance(p, str) for p in self.skip):
@@ -97,12 +100,6 @@ class Int8DynamicConfig(QuantConfig):
     merge_projections: bool = True
     scheme = "int8_dynamic"
 
-    def __post_init__(self):
-        self._check_common()
-        for flag in ("fuse_gated_mlp", "merge_projections"):
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"{flag}: expected a bool, got {type(getattr(self, flag)).__name__}")
-
     def convert(self, linear, stats=None):
         return Int8DynamicLinear.from_linear(linear)
 
@@ -116,7 +113,6 @@ class Fp8DynamicConfig(QuantConfig):
     fuse_gated_mlp: bool = True
     merge_projections: bool = True
     scheme = "fp8_dynamic"
-    __post_init__ = Int8DynamicConfig.__post_init__
 
     def convert(self, linear, stats=None):
         return Fp8DynamicLinear.from_linear(linear)
@@ -131,7 +127,6 @@ class Fp8BlockConfig(QuantConfig):
     fuse_gated_mlp: bool = True
     merge_projections: bool = True
     scheme = "fp8_block"
-    __post_init__ = Int8DynamicConfig.__post_init__
 
     def convert(self, linear, stats=None):
         return Fp8BlockLinear.from_linear(linear)
@@ -159,9 +154,6 @@ class Int8StaticConfig(QuantConfig):
         self._check_common()
         if self.calibrator not in CALIBRATORS:
             raise ValueError(f"calibrator: expected one of {CALIBRATORS}, got {self.calibrator!r}")
-        for flag in ("symmetric", "merge_projections"):
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"{flag}: expected a bool, got {type(getattr(self, flag)).__name__}")
         if isinstance(self.percentile, bool) or not isinstance(self.percentile, (int, float)) \
                 or not 0 < self.percentile <= 100:
             raise ValueError(f"percentile: expected a number in (0, 100], got {self.percentile!r}")
@@ -209,9 +201,6 @@ class Int4WeightOnlyConfig(QuantConfig):
         self._check_common()
         if isinstance(self.group_size, bool) or self.group_size not in (32, 64, 128, 256, -1):
             raise ValueError(f"group_size: expected one of (32, 64, 128, 256, -1), got {self.group_size!r}")
-        for flag in ("symmetric", "merge_projections"):
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"{flag}: expected a bool, got {type(getattr(self, flag)).__name__}")
         if self.algorithm not in WEIGHT_ALGORITHMS:
             raise ValueError(f"algorithm: expected one of {WEIGHT_ALGORITHMS}, got {self.algorithm!r}")
         if self.scale_dtype != "auto":
