@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._common import INTERPRET, cdiv
+from ._common import INTERPRET, cdiv, launch_kernel
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
 from .configs import arch_key
 from .scaled_mm import _BIG, BLOCKWISE_SCALE_BLOCK as SCALE_BLOCK, tma_applies
@@ -256,7 +256,7 @@ def scaled_mm_blockwise_wgmma(
     a_desc = _descriptor(a2d, [cfg.block_m, SCALE_BLOCK])
     b_desc = _descriptor(b.t(), [cfg.block_n, SCALE_BLOCK])
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
-    _blockwise_wgmma_kernel[grid](
+    launch_kernel(_blockwise_wgmma_kernel, grid,
         a_desc, b_desc, out, scale_a, scale_b, bias if bias is not None else out,
         m, n, k,
         out.stride(0), scale_a.stride(0), scale_a.stride(1), scale_b.stride(0), scale_b.stride(1),

@@ -48,9 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, cdiv, describable, descriptor, exp2_approx, grid_dependency_sync, next_pow2,
-                      pdl_launch_options, pdl_supported, persistent_grid, rcp_approx, tile_coords, tma_variant,
-                      to_int8_sat)
+from ._common import (INTERPRET, cdiv, describable, descriptor, exp2_approx, grid_dependency_sync, launch_kernel,
+                      next_pow2, pdl_launch_options, pdl_supported, persistent_grid, rcp_approx, tile_coords,
+                      tma_variant, to_int8_sat)
 from .configs import arch_key, sm_count
 
 # ----------------------------------------------------------------------------------------------------
@@ -455,7 +455,7 @@ def int8_gemm(
     grid = (persistent_grid(cdiv(m, bm) * cdiv(n, bn), int(persistent), sm_count(dev)),)
     pdl = _pdl(dev, m)
     a_src, w_src = (descriptor(a, (bm, bk)), descriptor(w, (bn, bk))) if use_tma else (a, w)
-    _int8_gemm_kernel[grid](
+    launch_kernel(_int8_gemm_kernel, grid,
         a_src, w_src, bias, w_scale, out_scale if out_scale is not None else w_scale, res, out, vt,
         m, n, k, a.stride(0), w.stride(0), res.stride(0) if res.dim() == 2 else 0,
         out.stride(0) if code != 2 else 0, vt_stride or 0,
@@ -648,7 +648,7 @@ def int8_attention(
     grid = (cdiv(max(max_seqlen, 1), bm), heads, batch)
     score_scale_log2 = q_scale * k_scale / math.sqrt(head_dim) * math.log2(math.e)
     pdl = _pdl(qk.device, t)
-    _int8_attention_kernel[grid](
+    launch_kernel(_int8_attention_kernel, grid,
         qk, vt, out, cu_seqlens, key_mask if key_mask is not None else cu_seqlens,
         t, heads * t * head_dim, vt.stride(1), out.stride(0),
         score_scale_log2, 1.0 / p_scale, p_scale * v_scale, out_scale,
@@ -763,7 +763,7 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     if config is not None:
         rows, warps, reciprocal = config
     pdl = _pdl(y.device, m)
-    _layernorm_quant_kernel[(cdiv(m, rows),)](
+    launch_kernel(_layernorm_quant_kernel, (cdiv(m, rows),),
         y, gamma, beta, out16 if out16 is not None else y, out8 if out8 is not None else y,
         m, n, y.stride(0), 1.0 if column or out_scale is None else float(out_scale),
         out_scale if column else gamma, float(eps), ids, types, positions, type_emb, pos_emb,

@@ -41,7 +41,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ._common import INTERPRET, cdiv
+from ._common import INTERPRET, cdiv, launch_kernel
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
 from .configs import arch_key
 
@@ -336,7 +336,7 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     has_bias = bias is not None
     # groups of whole chunks, a power of two of them (validated); per channel: one group
     group_chunk_shift = 0 if per_channel else (group_size // CHUNK).bit_length() - 1
-    _wo_mma_decode_kernel[(grid_n, splits)](
+    launch_kernel(_wo_mma_decode_kernel, (grid_n, splits),
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales, out, part,
         counters if fused else scales, m, n, k, x2d.stride(0), qweight.stride(0), out.stride(0), chunks_per_split,
         splits, group_chunk_shift,

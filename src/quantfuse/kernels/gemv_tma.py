@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 import torch
 import triton
 
-from ._common import INTERPRET, cdiv
+from ._common import INTERPRET, cdiv, launch_kernel
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
 from .configs import arch_key
 
@@ -288,7 +288,7 @@ def gemv_tma(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     fused = split and counters is not None and counters.numel() >= grid_n
     has_bias = bias is not None
     group_fields = 32 // bits if per_channel else group // 16  # per channel: one zero-point load per tile
-    _wo_gemv_tma_kernel[(grid_n, splits)](
+    launch_kernel(_wo_gemv_tma_kernel, (grid_n, splits),
         _descriptor(qweight, cfg), x2d, scales, zeros if zeros is not None else scales,
         bias if has_bias else scales, out, part, counters if fused else scales,
         n, k, scales.shape[0], chunks_per_split, splits, (1 << bits) - 1, max(group, 1).bit_length() - 1,

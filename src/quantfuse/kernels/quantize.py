@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cast_to, cdiv, next_pow2, quantize_value, rne_f32_any, to_int8_sat_azp
+from ._common import INTERPRET, cast_to, cdiv, launch_kernel, next_pow2, quantize_value, rne_f32_any, to_int8_sat_azp
 from .configs import max_partials, quantize_tile
 
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -230,7 +230,7 @@ def quantize_per_token(
     scale = torch.empty((m, 1), dtype=torch.float32, device=x2d.device)
     azp = None if symmetric else torch.empty((m, 1), dtype=torch.int32, device=x2d.device)
     tile = quantize_tile(x2d.device, "per_token", k)
-    _per_token_kernel[(cdiv(m, tile.block_m),)](
+    launch_kernel(_per_token_kernel, (cdiv(m, tile.block_m),),
         x2d, q, scale, azp if azp is not None else scale, scale_ub if scale_ub is not None else scale,
         m, k, x2d.stride(0), q.stride(0),
         QMAX=_QMAX[dtype], IS_FP8=dtype == torch.float8_e4m3fn, SYMMETRIC=symmetric,
@@ -251,7 +251,7 @@ def quantize_per_group(
     else:
         scales = torch.empty((m, groups), dtype=torch.float32, device=x2d.device)
     tile = quantize_tile(x2d.device, "per_group", k, group_size)
-    _per_group_kernel[(cdiv(m, tile.block_m), cdiv(k, tile.block_k))](
+    launch_kernel(_per_group_kernel, (cdiv(m, tile.block_m), cdiv(k, tile.block_k)),
         x2d, q, scales, scale_ub if scale_ub is not None else scales,
         m, k, x2d.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
         QMAX=_QMAX[dtype], IS_FP8=dtype == torch.float8_e4m3fn, HAS_UB=scale_ub is not None,
@@ -272,14 +272,14 @@ def quantize_per_tensor(
     if dynamic:
         num_partials = min(grid[0] * grid[1], max_partials(x2d.device))
         partials = torch.empty(num_partials, dtype=torch.float32, device=x2d.device)
-        _amax_partial_kernel[(num_partials,)](
+        launch_kernel(_amax_partial_kernel, (num_partials,),
             x2d, partials, m, k, x2d.stride(0), BLOCK_M=tile.block_m, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps,
         )
         scale = torch.empty(1, dtype=torch.float32, device=x2d.device)
     else:
         partials = scale
-    _per_tensor_kernel[grid](
+    launch_kernel(_per_tensor_kernel, grid,
         x2d, q, scale, azp if azp is not None else scale, partials, partials.numel(),
         m, k, x2d.stride(0), q.stride(0),
         QMAX=_QMAX[dtype], IS_FP8=dtype == torch.float8_e4m3fn, DYNAMIC=dynamic, HAS_AZP=azp is not None,
@@ -311,7 +311,7 @@ def dequantize(
         azp = azp.reshape(m).contiguous()
     tile = quantize_tile(q2d.device, "elementwise", k)
     grid = (cdiv(m, tile.block_m), cdiv(k, tile.block_k))
-    _dequant_kernel[grid](
+    launch_kernel(_dequant_kernel, grid,
         q2d, out, scale, azp if azp is not None else scale,
         m, k, q2d.stride(0), out.stride(0), stride_sm, stride_sg,
         SCALE_MODE=scale_mode, AZP_MODE=azp_mode, GROUP=group_size or 1,

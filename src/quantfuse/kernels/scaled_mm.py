@@ -45,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, cast_to, cdiv, describable, descriptor, persistent_grid, remember_plan, tile_coords,
-                      tma_variant)
+from ._common import (INTERPRET, cast_to, cdiv, describable, descriptor, launch_kernel, persistent_grid, remember_plan,
+                      tile_coords, tma_variant)
 from .configs import arch_key, sm_count
 
 
@@ -655,7 +655,7 @@ def scaled_mm(
         if use_tma:
             a_src = descriptor(a2d, (cfg.block_m, cfg.block_k))
             b_src = descriptor(b.t(), (cfg.block_n, cfg.block_k))
-        _scaled_mm_kernel[grid](
+        launch_kernel(_scaled_mm_kernel, grid,
             a_src, b_src, out, ws, scale_a, scale_b,
             bias if bias is not None else dummy,
             azp_adj if azp_adj is not None else dummy,
@@ -689,7 +689,7 @@ def _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, 
     m, n = out.shape
     block_m, block_n = (16, 32) if INTERPRET else (16, 256)
     grid = (cdiv(m, block_m), cdiv(n, block_n))
-    _split_k_reduce_kernel[grid](
+    launch_kernel(_split_k_reduce_kernel, grid,
         ws, out, scale_a, scale_b,
         bias if bias is not None else dummy,
         azp_adj if azp_adj is not None else dummy,
@@ -759,7 +759,7 @@ def scaled_mm_blockwise(
         if split > 1:
             ws = torch.empty((split, m, n), dtype=torch.float32, device=a2d.device)
         grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), split)
-        _blockwise_kernel[grid](
+        launch_kernel(_blockwise_kernel, grid,
             a2d, b, out, ws, scale_a, scale_b, bias if bias is not None else dummy,
             m, n, k, k_per_split,
             a2d.stride(0), a2d.stride(1), b.stride(0), b.stride(1), out.stride(0),

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cdiv, next_pow2, quantize_value
+from ._common import INTERPRET, cdiv, launch_kernel, next_pow2, quantize_value
 from .configs import arch_key
 from .quantize import _QMAX, _region_scale
 
@@ -232,7 +232,7 @@ def _silu_mul_quant_row_loop_kernel(
 # ----------------------------------------------------------------------------------------------------
 def _launch(x2d, q, scales, ub, partials, tile: RegionTile, h, mode, dtype, stride_sm, stride_sg):
     m = x2d.shape[0]
-    _silu_mul_quant_kernel[tile.grid(m)](
+    launch_kernel(_silu_mul_quant_kernel, tile.grid(m),
         x2d, q, scales, ub if ub is not None else scales, partials if partials is not None else scales,
         m * tile.regions_per_row, tile.regions_per_row, h,
         x2d.stride(0), q.stride(0), stride_sm, stride_sg,
@@ -289,7 +289,7 @@ def silu_and_mul_quant(
         cfg = _config(x2d.device)
         block = min(next_pow2(h), cfg["loop_block"])
         rows = cfg["loop_rows"]
-        _silu_mul_quant_row_loop_kernel[(cdiv(m, rows),)](
+        launch_kernel(_silu_mul_quant_row_loop_kernel, (cdiv(m, rows),),
             x2d, q, scales, scale_ub if scale_ub is not None else scales, m, h, x2d.stride(0), q.stride(0),
             QMAX=_QMAX[dtype], IS_FP8=dtype == torch.float8_e4m3fn, HAS_UB=scale_ub is not None,
             ROWS=rows, BLOCK=block, FMA_DIV=not INTERPRET, INTERPRET=INTERPRET,
@@ -303,7 +303,7 @@ def silu_and_mul_quant(
     width = min(next_pow2(h), _config(x2d.device)["chunk"])
     tile = region_tile(x2d.device, m, width, cdiv(h, width))
     partials = torch.empty((m, tile.regions_per_row), dtype=torch.float32, device=x2d.device)
-    _silu_mul_amax_kernel[tile.grid(m)](
+    launch_kernel(_silu_mul_amax_kernel, tile.grid(m),
         x2d, partials, m * tile.regions_per_row, tile.regions_per_row, h, x2d.stride(0),
         WIDTH=width, BLOCK_R=tile.block_r, MASK_COLS=h % width != 0, INTERPRET=INTERPRET,
         num_warps=tile.num_warps,

@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from . import gemv_mma, gemv_tma
-from ._common import INTERPRET, cast_to, cdiv, next_pow2
+from ._common import INTERPRET, cast_to, cdiv, launch_kernel, next_pow2
 from .configs import arch_key, sm_count
 
 WORDS_PER_CHUNK = 16
@@ -781,7 +781,7 @@ def splitk_reduce(part: torch.Tensor, bias: Optional[torch.Tensor], out: torch.T
     second kernel of the split-K products that have no counter slot for the fused reduction."""
     splits, m, n = part.shape
     block = 1024
-    _splitk_reduce_kernel[(cdiv(m * n, block),)](
+    launch_kernel(_splitk_reduce_kernel, (cdiv(m * n, block),),
         part, bias if bias is not None else part, out, m, n, splits, out.stride(0),
         HAS_BIAS=bias is not None, BLOCK=block, INTERPRET=INTERPRET, num_warps=4,
     )
@@ -832,7 +832,7 @@ def dequantize(qweight, scales, zeros, bits: int, group_size: int, k: int, dtype
     out = torch.empty((n, k), dtype=dtype, device=qweight.device)
     block_n = 64
     grid = (cdiv(n, block_n), cdiv(k, chunk_codes(bits)))
-    _dequant_kernel[grid](
+    launch_kernel(_dequant_kernel, grid,
         qweight, scales, zeros if zeros is not None else scales, out, n, k, scales.shape[0],
         _effective_group(group_size, k), qweight.stride(0), out.stride(0),
         BITS=bits, GROUP_FIELDS=_group_fields(group_size, k, bits), HAS_ZERO=zeros is not None,
@@ -999,7 +999,7 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
         # group_shift: the GEMV's per-group scaling (SCALE 1) locates groups by shift; group sizes with
         # several groups are powers of two (validated by quantfuse.ops / QuantizedWeight)
         extra = dict(group_shift=group.bit_length() - 1, FUSED_REDUCE=fused, BLOCK_M_P2=next_pow2(block_m))
-    kernel[(grid_n, splits, grid_m)](
+    launch_kernel(kernel, (grid_n, splits, grid_m),
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales,
         out, part, counts if fused else scales, m, n, k, scales.shape[0], group,
         chunks_per_split, (1 << bits) - 1, splits, x2d.stride(0), qweight.stride(0), out.stride(0),
