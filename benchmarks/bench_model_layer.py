@@ -124,7 +124,8 @@ def main():
                        "Weight-only schemes merge q|k|v and gate|up into one GEMM each, int8/fp8_dynamic q|k|v "
                        "(MergedProjections; the linears are called as the layer calls them, q/k/v and gate/up on "
                        "one tensor); *_unmerged: one GEMM per projection. bf16_merged_linears: the bf16 weights stacked the same way (4 F.linear), "
-                       "linears only; speedups are against the bf16 layer as transformers runs it.")
+                       "linears only; speedups are against the bf16 layer as transformers runs it. Eager prefill rows are "
+                       "host-bound and depend on the machine's CPU (graphed rows: the GPU time).")
 
 
 if __name__ == "__main__":

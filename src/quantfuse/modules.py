@@ -208,7 +208,7 @@ class QuantizedLinear(nn.Module):
         group, index = self._merged
         if not group.enabled or torch.compiler.is_compiling():
             return None
-        if group._merged_layer is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if group._merged_layer is None and _stream_state(x)[1]:
             # stacking the weights inside a capture would record the copies into the graph (re-run on every
             # replay) and leave them unwritten until the first replay: run alone until an eager call stacks
             return None
@@ -280,6 +280,14 @@ def _ct_args(num_bits: int, type_: str, strategy: str, symmetric: bool = True, d
 # ----------------------------------------------------------------------------------------------------
 # W8A8: int8 / fp8 weights per output channel, activations per token (dynamic) or per tensor (static)
 # ----------------------------------------------------------------------------------------------------
+def _stream_state(x: Tensor) -> tuple:
+    """(current raw stream of x's device, capturing?) for the caches below: torch.cuda.current_stream builds a
+    Stream object per call (10-30 us of host time on the H100 machine, more than a kernel launch)."""
+    if not x.is_cuda:
+        return (0, False)
+    return (torch._C._cuda_getCurrentRawStream(x.device.index), torch._C._cuda_isCurrentStreamCapturing())
+
+
 class SharedInputQuantization:
     """The last dynamically quantized activation, reused when the next layer gets the very same tensor.
 
@@ -300,7 +308,7 @@ class SharedInputQuantization:
     def get(self, x: Tensor, key: tuple, compute: Callable[[], Tuple[Tensor, Tensor]]):
         if not self.enabled or torch.compiler.is_compiling():
             return compute()
-        stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+        stream = _stream_state(x)
         entry = self._entry
         if entry is not None and entry[0]() is x and entry[1] == x._version and entry[2] == key \
                 and entry[3] == stream:
@@ -919,8 +927,7 @@ class MergedProjections:
         return self._merged_layer(x)
 
     def output(self, x: Tensor, index: int) -> Tensor:
-        stream = (torch.cuda.current_stream(x.device).cuda_stream, torch.cuda.is_current_stream_capturing()) \
-            if x.is_cuda else 0
+        stream = _stream_state(x)
         entry = self._entry
         if entry is not None and entry[0]() is x and entry[1] == x._version and entry[2] == stream \
                 and entry[3]._version == entry[4] and index not in entry[5]:

@@ -122,7 +122,7 @@ def launch_kernel(fn, grid, *args, **kwargs) -> None:
     key = None
     if cache.enabled:
         try:
-            key = (torch.cuda.current_device(), tuple(kwargs.items()), tuple(map(_arg_spec, args)))
+            key = (torch._C._cuda_getDevice(), tuple(kwargs.items()), tuple(map(_arg_spec, args)))
             hit = cache.entries.get(key)
         except (_Fallback, TypeError):  # an argument type we do not key, or an unhashable keyword
             key = hit = None

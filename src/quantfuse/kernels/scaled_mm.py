@@ -599,7 +599,8 @@ def _effective_split(k: int, cfg: MMConfig, split: int) -> int:
 
 def tma_applies(a2d: torch.Tensor, b: torch.Tensor) -> bool:
     """Tensor descriptors over a [M, K] and b^T [N, K]: both K-contiguous with 16-byte aligned rows."""
-    return describable(a2d, b.t())
+    return describable(a2d) and b.dim() == 2 and b.stride(0) == 1 and b.data_ptr() % 16 == 0 \
+        and (b.stride(1) * b.element_size()) % 16 == 0
 
 
 def scaled_mm(
@@ -620,15 +621,16 @@ def scaled_mm(
     n = b.shape[1]
     out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
     is_fp8 = a2d.dtype == torch.float8_e4m3fn
-    scale_a = scale_a.reshape(-1).contiguous()
-    scale_b = scale_b.reshape(-1).contiguous()
+    # the kernel indexes the scales as flat vectors: any contiguous shape of numel 1, M or N serves as is
+    scale_a = scale_a if scale_a.is_contiguous() else scale_a.contiguous()
+    scale_b = scale_b if scale_b.is_contiguous() else scale_b.contiguous()
     if azp_adj is None:
         azp_mode = 0
     elif azp is None:
         azp_mode = 1
     else:
         azp_mode = 2
-        azp = azp.reshape(-1).contiguous()
+        azp = azp if azp.is_contiguous() else azp.contiguous()
     dummy = scale_a
     tma_ok = tma_applies(a2d, b)
 
