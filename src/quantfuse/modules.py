@@ -11,7 +11,6 @@ to even; sat = saturation to the code range (SPEC section 0).
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Callable, Dict, Optional, Tuple
 

@@ -50,11 +50,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # `kernel[grid](*args, **kw)` binds every argument through the JIT's generated binder, builds its cache key
 # from the options, checks the kernel's globals and asks the driver for the device and stream on every call:
 # 25-40 us of host time on the H100 machine, where the kernels of a decode step or a BERT layer take 5-50 us,
-# so eager models were launch-bound (results/host_calls_ab.txt). `launch` keeps the compiled kernel of each
+# so eager models were launch-bound (results/host_calls_ab.txt). `launch_kernel` keeps the compiled kernel of each
 # (device, keyword arguments, argument specialization) and hands the arguments straight to its launcher.
 # The key is at least as fine as Triton's own (each argument's type, pointer alignment, integer
 # divisibility / one / width, descriptor block), so a hit always runs the binary the JIT would pick; a miss,
-# the interpreter, a launch hook (profilers) or anything unexpected goes through the JIT unchanged.
+# the interpreter, a launch hook (profilers) or anything unexpected goes through the JIT unchanged. (A hit does
+# not re-check the kernel's global constants, which the JIT does: quantfuse's kernels never rebind theirs.)
 
 class _Fallback(Exception):
     pass
@@ -156,6 +157,7 @@ _HOOKS_SET = _hooks_set_fn()
 
 def _current_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
+
 
 try:  # grid dependency control (programmatic dependent launch, sm90+; Triton >= 3.4)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
