@@ -167,6 +167,11 @@ def finish(name: str, title: str, rows: List[Dict[str, object]], columns: List[s
     return path
 
 
+def print_row(row: Dict[str, object]) -> None:
+    """One sweep row as it is measured, floats to four places (progress output of the tuners)."""
+    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+
+
 def print_table(rows: List[Dict[str, object]], columns: Optional[List[str]] = None) -> None:
     if not rows:
         return

@@ -86,7 +86,7 @@ def main():
                 except Exception as e:  # noqa: BLE001 - a config that does not fit is reported, not fatal
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 rows.append(row)
-                print({k_: (round(v, 4) if isinstance(v, float) else v) for k_, v in row.items()}, flush=True)
+                common.print_row(row)
             del sets, bsets
             torch.cuda.empty_cache()
     name = os.environ.get("TUNE_OUT_NAME", "tune_blockwise_wgmma")

@@ -112,7 +112,7 @@ def main():
                                  vs_bf16=bf16_us / us, vs_tinygemm=tiny_us / us, vs_shipped=ship_us / us,
                                  frac_copy_bw=nbytes / (us * 1e-6) / 1e9 / bw, rel_err=err))
             for r in rows[-1 - len(variants):]:
-                print({kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in r.items()}, flush=True)
+                common.print_row(r)
         del qw_sets, w_sets, tg, w32
         torch.cuda.empty_cache()
     columns = ["K", "N", "M", "config", "us", "bf16_us", "tinygemm_us", "vs_bf16", "vs_tinygemm", "vs_shipped",

@@ -103,7 +103,7 @@ def main():
                 rows.append(dict(base, config=_short(cfg), us=us, vs_bf16=bf16_us / us, vs_tl=tl_us / us,
                                  frac_copy_bw=nbytes / (us * 1e-6) / 1e9 / bw, bf16_us=bf16_us, rel_err=err))
             for r in rows[-1 - len(_configs(bits)):]:
-                print({kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in r.items()}, flush=True)
+                common.print_row(r)
             del qw_sets, sets
             torch.cuda.empty_cache()
     columns = ["scheme", "K", "N", "config", "us", "bf16_us", "vs_bf16", "vs_tl", "frac_copy_bw", "rel_err", "error"]

@@ -40,3 +40,19 @@ def test_descriptor_specs_key_dtype_and_block():
     assert _arg_spec(d(t, [16, 16])) == _arg_spec(d(torch.zeros(32, 64, dtype=torch.float16), [16, 16]))
     assert _arg_spec(d(t, [16, 16])) != _arg_spec(d(t, [32, 16]))
     assert _arg_spec(d(t, [16, 16])) != _arg_spec(d(t.to(torch.int16), [16, 16]))
+
+
+@pytest.mark.skipif(TensorDescriptor is None, reason="this Triton has no host tensor descriptors")
+def test_describable_transposed_equals_describable_of_the_view():
+    from quantfuse.kernels._common import describable, describable_transposed
+
+    base = torch.zeros(64, 96, dtype=torch.int8)
+    odd_rows = torch.zeros(64, 90, dtype=torch.int8)
+    cases = [base, base.t(), base[:, :80], base[:, 1:], base[1:], base.t()[:, :48], odd_rows, odd_rows.t(),
+             torch.zeros(3, dtype=torch.int8)]
+    seen = set()
+    for b in cases:
+        want = b.dim() == 2 and describable(b.t())
+        assert describable_transposed(b) == want
+        seen.add(want)
+    assert seen == {True, False}

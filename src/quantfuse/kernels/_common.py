@@ -177,9 +177,17 @@ except ImportError:  # pragma: no cover -- older Triton: pointer loads only
 def describable(*tensors) -> bool:
     """Whether each 2-D tensor can back a tensor descriptor (TMA): unit inner stride, 16-byte aligned base
     address and row stride (one-byte elements: a multiple of 16)."""
-    return TensorDescriptor is not None and all(
-        t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-        for t in tensors)
+    return TensorDescriptor is not None and all(t.dim() == 2 and _tma_strides_ok(t, t.stride(0), t.stride(1))
+                                                for t in tensors)
+
+
+def describable_transposed(t) -> bool:
+    """`describable(t.t())` for a 2-D `t`, without making the view (a host-side aten call per launch)."""
+    return TensorDescriptor is not None and t.dim() == 2 and _tma_strides_ok(t, t.stride(1), t.stride(0))
+
+
+def _tma_strides_ok(t, row_stride: int, inner_stride: int) -> bool:
+    return inner_stride == 1 and t.data_ptr() % 16 == 0 and (row_stride * t.element_size()) % 16 == 0
 
 
 def descriptor(t, block) -> "TensorDescriptor":

@@ -45,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, cast_to, cdiv, describable, descriptor, launch_kernel, persistent_grid, remember_plan,
-                      tile_coords, tma_variant)
+from ._common import (INTERPRET, cast_to, cdiv, describable, describable_transposed, descriptor, launch_kernel,
+                      persistent_grid, remember_plan, tile_coords, tma_variant)
 from .configs import arch_key, sm_count
 
 
@@ -599,8 +599,7 @@ def _effective_split(k: int, cfg: MMConfig, split: int) -> int:
 
 def tma_applies(a2d: torch.Tensor, b: torch.Tensor) -> bool:
     """Tensor descriptors over a [M, K] and b^T [N, K]: both K-contiguous with 16-byte aligned rows."""
-    return describable(a2d) and b.dim() == 2 and b.stride(0) == 1 and b.data_ptr() % 16 == 0 \
-        and (b.stride(1) * b.element_size()) % 16 == 0
+    return describable(a2d) and describable_transposed(b)
 
 
 def scaled_mm(

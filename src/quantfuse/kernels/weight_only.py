@@ -1034,13 +1034,13 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
 # GEMV from 4096x14336 up (28672x8192 56.2 us = 0.74 of copy bandwidth, 3.0x bf16) but 0.92-0.97x on 4096x1024 /
 # 4096x4096 / 4096x6144; M = 2..8 1.16-1.37x the tl mma tile from 4096x4096 up, 0.91-1.03x at 4096x1024; M = 9..16
 # (two n-tiles of the instruction) 0.76-0.94x with the fused reduction, ~1.0x with the reduce kernel: not taken.
-GEMV_MMA_MIN_WEIGHTS = {1: 48 << 20, 8: 8 << 20}  # {largest M: smallest N x K}
+GEMV_MMA_MIN_WEIGHTS = ((1, 48 << 20), (8, 8 << 20))  # (largest M, smallest N x K), by increasing M
 
 
 def prefer_gemv_mma(m: int, n: int, k: int) -> bool:
     """Whether an int4 product runs the Gluon tensor-core decode kernel (where `gemv_mma.applies`): the measured
     M and N x K ranges of `GEMV_MMA_MIN_WEIGHTS`."""
-    for max_m, min_weights in sorted(GEMV_MMA_MIN_WEIGHTS.items()):
+    for max_m, min_weights in GEMV_MMA_MIN_WEIGHTS:
         if m <= max_m:
             return n * k >= min_weights
     return False
