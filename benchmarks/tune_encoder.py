@@ -22,7 +22,8 @@ Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_encoder.py
 Narrowing (environment): TUNE_M=1024,4096 (GEMM rows), TUNE_TILES=128x128x128x4x3,... (GEMM tiles),
 TUNE_RECIP=1 / TUNE_FAST_GELU=0,1 (epilogue options), TUNE_FC1_NOGELU=1 (FC1 without GELU, its cost),
 TUNE_ATTN=one_pass (the one-pass attention tiles), TUNE_ALIGNED=0,1 (16-aligned sequence starts),
-TUNE_ATTN_SHAPES=32x384,16x512 (attention batch x seq), TUNE_PROFILE_SHAPES=32x128,... (profiled
+TUNE_ATTN_SHAPES=32x384,16x512 (attention batch x seq), TUNE_VARLEN=32x32-96,... (packed batches of random
+lengths: batch x lo-hi), TUNE_PROFILE_SHAPES=32x128,... (profiled
 forwards). GEMM and attention parts time under CUDA graphs.
 """
 
@@ -75,6 +76,20 @@ PROFILE_SHAPES = [tuple(int(v) for v in t.split("x"))
 ATTN_ALIGNED = [a == "1" for a in os.environ.get("TUNE_ALIGNED", "0").split(",")]
 if os.environ.get("TUNE_ATTN_SHAPES"):  # e.g. 32x384,16x512
     ATTN_SHAPES = [tuple(int(v) for v in t.split("x")) for t in os.environ["TUNE_ATTN_SHAPES"].split(",")]
+# TUNE_VARLEN=32x32-96,128x32-96,32x96-288: packed batches of sequences with random lengths in [lo, hi] (the
+# padding-removal path: starts not 16-aligned) instead of TUNE_ATTN_SHAPES; one-pass tiles while hi <= 128,
+# else the two-pass grid; "seq" in the rows is hi, the SDPA peer runs the padded [batch, heads, hi, 64]
+ATTN_VARLEN = {}
+if os.environ.get("TUNE_VARLEN"):
+    for spec in os.environ["TUNE_VARLEN"].split(","):
+        b, span = spec.split("x")
+        lo, hi = (int(v) for v in span.split("-"))
+        ATTN_VARLEN[(int(b), hi)] = lo
+    ATTN_SHAPES = list(ATTN_VARLEN)
+    ATTN_CONFIGS = [dict(block_m=bm, num_warps=w, num_stages=1, one_pass=True)
+                    for bm, w in itertools.product((16, 32, 64, 128), (4, 8))]
+    ATTN_CONFIGS += [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=3)
+                     for bm, bn, w in itertools.product((32, 64, 128), (32, 64, 128), (4, 8))]
 
 
 def candidates():
@@ -84,7 +99,8 @@ def candidates():
             for recip in (recips if name in ("qkv", "fc1", "fc1_nogelu") else (False,))
             for fast in (fasts if name == "fc1" else (None,))]
     attn = [(b, s, dict(cfg, aligned=True) if aligned else cfg) for b, s in ATTN_SHAPES for cfg in ATTN_CONFIGS
-            for aligned in ATTN_ALIGNED]
+            for aligned in ATTN_ALIGNED
+            if not ATTN_VARLEN or (not aligned and cfg.get("one_pass", False) == (s <= 128))]
     return gemm, attn
 
 
@@ -115,16 +131,25 @@ def gemm_inputs(name, m, n, k, device):
     return a, w, w_scale, bias, out_scale, residual
 
 
-def attention_inputs(batch, seq, device):
-    t = batch * seq
+def attention_inputs(batch, seq, device, min_len=None):
+    """Packed Q|K, V^T and cu_seqlens of `batch` sequences of length seq, or (min_len) of random lengths in
+    [min_len, seq] with V^T rows padded to 16 columns, as the encoder's QKV GEMM writes them."""
     d = HIDDEN // HEADS
+    if min_len is None:
+        lengths = torch.full((batch,), seq)
+    else:
+        lengths = torch.randint(min_len, seq + 1, (batch,), generator=torch.Generator().manual_seed(batch * seq))
+    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    t = int(cu[-1])
     qk = torch.randint(-128, 128, (2, HEADS, t, d), dtype=torch.int8, device=device)
-    vt = torch.randint(-128, 128, (HEADS, d, t), dtype=torch.int8, device=device)
-    cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=device)
-    return qk, vt, cu
+    vt = torch.randint(-128, 128, (HEADS, d, t if min_len is None else -(-t // 16) * 16), dtype=torch.int8,
+                       device=device)
+    return qk, vt, cu.to(device)
 
 
 def attention_call(qk, vt, cu, seq, cfg):
+    """seq: the longest sequence."""
     from quantfuse.kernels import encoder as ke
 
     cfg = dict(cfg)
@@ -269,7 +294,7 @@ def tune_attention(rows, deadline, dry):
             continue
         # CUDA graphs over two input sets (the eager launch cost of this host would hide small kernels)
         if (batch, seq) not in peers:
-            sets = [attention_inputs(batch, seq, device) for _ in range(2)]
+            sets = [attention_inputs(batch, seq, device, ATTN_VARLEN.get((batch, seq))) for _ in range(2)]
             qkv16 = [tuple(torch.randn(batch, HEADS, seq, HIDDEN // HEADS, device=device, dtype=torch.float16)
                            for _ in range(3)) for _ in range(2)]
             peers[(batch, seq)] = 1e3 * time_ms(F.scaled_dot_product_attention, qkv16, graph=True)
@@ -282,7 +307,7 @@ def tune_attention(rows, deadline, dry):
             print(f"attention {batch}x{seq} {cfg} failed: {type(err).__name__}", flush=True)
             continue
         rows.append(dict(part="attention", batch=batch, seq=seq, cfg=str(cfg), us=round(us, 1),
-                         one_pass=bool(cfg.get("one_pass")),
+                         one_pass=bool(cfg.get("one_pass")), min_len=ATTN_VARLEN.get((batch, seq)),
                          sdpa_fp16_us=round(peers[(batch, seq)], 1),
                          vs_sdpa=round(peers[(batch, seq)] / us, 3)))
     if not dry:

@@ -30,7 +30,8 @@ def assert_codes_equal(actual: torch.Tensor, expected: torch.Tensor, tie_rate: f
 
 
 class KernelSpy:
-    """Wraps a Triton kernel: records the keyword arguments (constexprs) and grid of every launch, then
+    """Wraps a Triton kernel: records the keyword arguments (constexprs), positional arguments ("args") and
+    grid of every launch, then
     launches it. Install with monkeypatch.setattr(module, "_kernel", KernelSpy(module._kernel))."""
 
     def __init__(self, fn):
@@ -38,7 +39,7 @@ class KernelSpy:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.calls.append(dict(kwargs, grid=grid))
+            self.calls.append(dict(kwargs, grid=grid, args=args))
             return self.fn[grid](*args, **kwargs)
 
         return launch

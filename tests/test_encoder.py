@@ -72,6 +72,26 @@ def test_gemm_qkv_store_paths(heads, head_dim, block_n):
     u.assert_int8_close(out[1][:, :, :m], ref[1][:, :, :m])
 
 
+@pytest.mark.parametrize("m,vt_stride,vt_rows", [(37, 48, 48), (37, 42, 37), (37, 37, 37), (48, 48, 48)])
+def test_gemm_qkv_vt_rows_rounded_to_16_where_they_fit(monkeypatch, m, vt_stride, vt_rows):
+    # V^T is stored up to M rounded up to 16 (vector stores along the tokens) only where its rows have room;
+    # the tokens' columns are the reference's either way
+    spy = KernelSpy(ke._int8_gemm_kernel)
+    monkeypatch.setattr(ke, "_int8_gemm_kernel", spy)
+    a, w = u.int8(m, 40), u.int8(192, 40)
+    w_scale, bias = torch.rand(192) * 0.01 + 0.002, torch.randn(192)
+    kwargs = dict(out_scale=(torch.rand(192) * 0.08 + 0.01).float(), heads=2, head_dim=32, vt_stride=vt_stride)
+    ref = enc.reference_int8_gemm(a, w, 0.02, w_scale, bias, "qkv", **kwargs)
+    with ops.backend("triton"):
+        out = ke.int8_gemm(a, w, 0.02, w_scale, bias, "qkv", config=(32, 64, 32, 4, 2), **kwargs)
+    u.assert_int8_close(out[0], ref[0])
+    u.assert_int8_close(out[1][:, :, :m], ref[1][:, :, :m])
+    args = spy.calls[-1]["args"]
+    assert (args[8], args[15], args[16]) == (m, vt_stride, vt_rows)  # M, stride_vt, vt_rows
+    with pytest.raises(ValueError, match="vt_stride"):
+        ke.int8_gemm(a, w, 0.02, w_scale, bias, "qkv", **dict(kwargs, vt_stride=m - 1))
+
+
 @pytest.mark.parametrize("variant", [(1, 0), (0, 2), (1, 2)], ids=["tma", "persistent", "tma_persistent"])
 @pytest.mark.parametrize("kind,residual", [("qkv", None), ("requant", None), ("residual", "fp16"),
                                            ("residual", "int8")])
@@ -326,13 +346,27 @@ def test_attention_default_path_by_longest_sequence(monkeypatch):
     at most one code apart)."""
     spy = KernelSpy(ke._int8_attention_kernel)
     monkeypatch.setattr(ke, "_int8_attention_kernel", spy)
-    limit = ke._table(torch.device(DEV))["attention_one_pass"][-1][0]
+    limit = ke._table(torch.device(DEV))["attention_one_pass_packed"][-1][0]  # attention_case packs sequences
     for lengths, one_pass, block_n in (([1, 3], True, 32), ([5, 33], True, 64), ([limit, 3], True, limit),
                                         ([limit + 1], False, ke._table(torch.device(DEV))["attention"]["block_n"])):
         out, ref, _, _ = u.attention_case(lengths, 2, 16, DEV)
         u.assert_int8_close(out, ref)
         call = spy.calls.pop()
         assert (call["ONE_PASS"], call["BLOCK_N"]) == (one_pass, block_n)
+
+
+def test_attention_one_pass_tile_by_sequence_alignment(monkeypatch):
+    # sm90: padded batches (16-aligned starts) take the one-pass tile measured on them, packed batches of
+    # varying lengths the smaller query block; past the one-pass key count both take the two-pass configs
+    monkeypatch.setattr(ke, "_table", lambda device: ke.ENCODER_CONFIGS["sm90"])
+    cpu = torch.device("cpu")
+    table = ke.ENCODER_CONFIGS["sm90"]
+    aligned, packed = ke._attention_config(cpu, 96, True, True), ke._attention_config(cpu, 96, False, True)
+    assert aligned == dict(table["attention_one_pass"][0][1], one_pass=True)
+    assert packed == dict(table["attention_one_pass_packed"][0][1], one_pass=True)
+    assert aligned["block_m"] != packed["block_m"]
+    assert ke._attention_config(cpu, 300, False, True) == table["attention_aligned"]
+    assert ke._attention_config(cpu, 300, False, False) == table["attention"]
 
 
 def test_attention_one_pass_refuses_long_rows():

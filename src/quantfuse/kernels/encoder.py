@@ -99,6 +99,13 @@ ENCODER_CONFIGS = {
         "attention_one_pass": [
             (128, {"block_m": 64, "num_warps": 4, "num_stages": 1}),
         ],
+        # the same for packed sequences of varying lengths (starts not 16-aligned): every sequence's last query
+        # block is partly empty, so smaller blocks waste less (benchmarks/results/tune_encoder_varlen.json,
+        # CUDA graphs, lengths uniform in [32, 96]: 32 sequences 10.8 us vs 13.0 for block_m 64, 128 sequences
+        # 28.3 vs 31.1; the two-pass config for lengths in [96, 288] stays the aligned one, 41.2 us, best of 18)
+        "attention_one_pass_packed": [
+            (128, {"block_m": 32, "num_warps": 4, "num_stages": 1}),
+        ],
         # LayerNorm: rows per program = budget // next_pow2(N), warps = rows * next_pow2(N) // elements per
         # warp; the reciprocal requantization halves its time (benchmarks/tune_encoder.py, N = 768, mode 1's
         # fp16 + int8 outputs at 16384 rows: 4 rows, 2 warps, reciprocal 30.3 us vs 55.7 us for 4 warps and
@@ -129,6 +136,7 @@ ENCODER_CONFIGS = {
         "attention": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
         "attention_aligned": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
         "attention_one_pass": [(128, {"block_m": 32, "num_warps": 4, "num_stages": 1})],
+        "attention_one_pass_packed": [(128, {"block_m": 32, "num_warps": 4, "num_stages": 1})],
         "layernorm_rows_budget": 2048,
         "layernorm_elements_per_warp": 1024,
         "layernorm_reciprocal": False,
@@ -223,7 +231,7 @@ def _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn,
 @triton.jit
 def _tile_epilogue(
     acc, pid_m, pid_n, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
-    M, N, stride_rm, stride_om, stride_vt, a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
+    M, N, stride_rm, stride_om, stride_vt, vt_rows, a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
     EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
     COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr, RECIPROCAL: tl.constexpr,
     ALIGNED_QKV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST_GELU: tl.constexpr,
@@ -262,6 +270,10 @@ def _tile_epilogue(
     else:
         out_scale = tl.load(out_scale_ptr + rn, mask=n_ok, other=1.0)
         q = to_int8_sat(_requant(v, out_scale[None, :], RECIPROCAL))
+        # V^T rows run along the tokens: masked at M they become byte stores wherever M % 16 != 0 (packed
+        # batches; 25.5 us vs 15.5 at 2143 vs 2144 tokens on the H100). vt_rows is M rounded up to 16 where
+        # V^T's rows have room: the rows past M are padding whose keys the attention gives p = 0.
+        vt_mask = (rm < vt_rows)[:, None] & n_ok[None, :]
         if ALIGNED_QKV:
             # The tile lies inside one of Q | K | V (HIDDEN % BLOCK_N == 0) and its columns run through
             # whole runs of SUB = min(BLOCK_N, HEAD_DIM) within one head: built from the scalar tile start
@@ -283,14 +295,14 @@ def _tile_epilogue(
                 which_j = (j * 0 + which)[None, :]  # a tensor: the interpreter takes no scalar in a mask
                 tl.store(out_ptr + qk_off, q, mask=mask & (which_j < 2))
                 vt_off = (head * HEAD_DIM + d).to(tl.int64)[None, :] * stride_vt + rm[:, None]
-                tl.store(vt_ptr + vt_off, q, mask=mask & (which_j == 2))
+                tl.store(vt_ptr + vt_off, q, mask=vt_mask & (which_j == 2))
             elif which < 2:
                 qk_off = ((which * (HIDDEN // HEAD_DIM) + head).to(tl.int64) * M)[None, :] * HEAD_DIM \
                     + rm[:, None] * HEAD_DIM + d[None, :]
                 tl.store(out_ptr + qk_off, q, mask=mask)
             else:
                 vt_off = (head * HEAD_DIM + d).to(tl.int64)[None, :] * stride_vt + rm[:, None]
-                tl.store(vt_ptr + vt_off, q, mask=mask)
+                tl.store(vt_ptr + vt_off, q, mask=vt_mask)
         else:
             which = rn // HIDDEN
             within = rn - which * HIDDEN
@@ -302,13 +314,13 @@ def _tile_epilogue(
             tl.store(out_ptr + qk_off, q, mask=mask & (which < 2)[None, :])
             # V^T: [heads, HEAD_DIM, stride_vt]
             vt_off = (head * HEAD_DIM + d).to(tl.int64)[None, :] * stride_vt + rm[:, None]
-            tl.store(vt_ptr + vt_off, q, mask=mask & (which == 2)[None, :])
+            tl.store(vt_ptr + vt_off, q, mask=vt_mask & (which == 2)[None, :])
 
 
 @triton.jit
 def _gemm_tile(
     tile, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
-    M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt,
+    M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt, vt_rows,
     a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
     EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
     COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr, RECIPROCAL: tl.constexpr,
@@ -321,7 +333,7 @@ def _gemm_tile(
     acc = _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn, TMA, EVEN_K,
                     BLOCK_M, BLOCK_N, BLOCK_K)
     _tile_epilogue(acc, pid_m, pid_n, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
-                   M, N, stride_rm, stride_om, stride_vt, a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
+                   M, N, stride_rm, stride_om, stride_vt, vt_rows, a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
                    EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
                    ALIGNED_QKV, BLOCK_M, BLOCK_N, FAST_GELU, BRANCH_FREE, INTERPRET)
 
@@ -329,7 +341,7 @@ def _gemm_tile(
 @triton.jit
 def _int8_gemm_kernel(
     a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
-    M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt,
+    M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt, vt_rows,
     a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
     EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
     COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr, RECIPROCAL: tl.constexpr,
@@ -344,13 +356,13 @@ def _int8_gemm_kernel(
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
             _gemm_tile(tile, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
-                       M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt,
+                       M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt, vt_rows,
                        a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
                        EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
                        ALIGNED_QKV, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FAST_GELU, TMA, True, INTERPRET)
     else:
         _gemm_tile(tl.program_id(0), a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
-                   M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt,
+                   M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt, vt_rows,
                    a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
                    EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
                    ALIGNED_QKV, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FAST_GELU, TMA, False, INTERPRET)
@@ -425,6 +437,8 @@ def int8_gemm(
         raise ValueError(f"w: the 'qkv' epilogue expects {3 * heads * head_dim} = 3 * heads * head_dim rows, "
                          f"got {w.shape[0]}")
     m, k = a.shape
+    if epilogue == "qkv" and vt_stride is not None and vt_stride < m:
+        raise ValueError(f"vt_stride: V^T rows must hold all M={m} tokens, got vt_stride={vt_stride}")
     dev = a.device
     tile = tuple(config) if config is not None else _pick_gemm_tile(dev, m, n, k, epilogue)
     if len(tile) not in (5, 7):
@@ -439,6 +453,7 @@ def int8_gemm(
     code = _EPILOGUES[epilogue]
     hidden = n // 3 if code == 2 else n
     vt = a  # placeholder pointer when unused
+    vt_rows = m
     if code == 0:
         out = torch.empty((m, n), dtype=torch.float16, device=dev)
     elif code == 1:
@@ -447,6 +462,8 @@ def int8_gemm(
         out = torch.empty((2, heads, m, head_dim), dtype=torch.int8, device=dev)
         vt_stride = vt_stride or m
         vt = torch.empty((heads, head_dim, vt_stride), dtype=torch.int8, device=dev)
+        if vt_stride >= cdiv(m, 16) * 16:
+            vt_rows = cdiv(m, 16) * 16
     res_mode = 0
     res = a
     if residual is not None:
@@ -458,7 +475,7 @@ def int8_gemm(
     launch_kernel(_int8_gemm_kernel, grid,
         a_src, w_src, bias, w_scale, out_scale if out_scale is not None else w_scale, res, out, vt,
         m, n, k, a.stride(0), w.stride(0), res.stride(0) if res.dim() == 2 else 0,
-        out.stride(0) if code != 2 else 0, vt_stride or 0,
+        out.stride(0) if code != 2 else 0, vt_stride or 0, vt_rows,
         float(a_scale), 1.0 if column_res else float(residual_scale), residual_scale if column_res else w_scale,
         hidden,
         EPILOGUE=code, RES_MODE=res_mode, GELU=gelu, HEAD_DIM=head_dim,
@@ -594,15 +611,16 @@ def _int8_attention_kernel(
 ONE_PASS_MAX_KEYS = 512
 
 
-def _attention_config(device: torch.device, max_seqlen: int, aligned: bool) -> dict:
-    """The one-pass tile for the first `attention_one_pass` entry whose key count covers max_seqlen, else the
-    two-pass config for 16-aligned V^T key runs (aligned starts, or starts rounded down: `int8_attention`)
-    or for byte-wise V^T loads."""
+def _attention_config(device: torch.device, max_seqlen: int, aligned_starts: bool, aligned_vt: bool) -> dict:
+    """The one-pass tile for the first `attention_one_pass` entry (`attention_one_pass_packed` where sequences
+    do not start on multiples of 16) whose key count covers max_seqlen, else the two-pass config for
+    16-aligned V^T key runs (aligned starts, or starts rounded down: `int8_attention`) or for byte-wise V^T
+    loads."""
     table = _table(device)
-    for max_keys, cfg in table["attention_one_pass"]:
+    for max_keys, cfg in table["attention_one_pass" if aligned_starts else "attention_one_pass_packed"]:
         if max_seqlen <= max_keys:
             return dict(cfg, one_pass=True)
-    return table["attention_aligned" if aligned else "attention"]
+    return table["attention_aligned" if aligned_vt else "attention"]
 
 
 def int8_attention(
@@ -633,7 +651,7 @@ def int8_attention(
     _, heads, t, head_dim = qk.shape
     padded_vt = vt.stride(1) % 16 == 0
     aligned = bool(aligned_starts) and padded_vt
-    cfg = dict(config or _attention_config(qk.device, max_seqlen, aligned or padded_vt))
+    cfg = dict(config or _attention_config(qk.device, max_seqlen, aligned, aligned or padded_vt))
     one_pass = bool(cfg.get("one_pass", False))
     if one_pass and max_seqlen > ONE_PASS_MAX_KEYS:
         raise ValueError(f"config: one_pass holds at most {ONE_PASS_MAX_KEYS} keys per row, max_seqlen is "
