@@ -501,6 +501,9 @@ def test_pack_mask():
     assert pk.indices.tolist() == [0, 1, 2, 8, 10, 11]
     assert pk.cu_seqlens.tolist() == [0, 3, 3, 6] and pk.cu_seqlens.dtype == torch.int32
     assert (pk.max_seqlen, pk.batch, pk.seq_len) == (3, 3, 4)
+    # the packed layers run on 16 rows: the valid tokens, then rows outside every sequence (position 0)
+    assert pk.gather.tolist() == [0, 1, 2, 8, 10, 11] + [0] * 10
+    assert pack_mask(torch.ones(2, 8)).gather.tolist() == list(range(16))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -398,6 +398,15 @@ class PackedBatch:
     max_seqlen: int
     batch: int
     seq_len: int
+    # int64 [T rounded up to 16]: `indices`, then copies of position 0 (rows outside every sequence)
+    gather: Optional[Tensor] = None
+
+
+# The packed layers run on a token count rounded up to this (the extra rows belong to no sequence: the
+# attention never reads them as keys with p != 0, and every other kernel is row-wise): the GEMMs' row
+# masks are then constant over 16 rows, as at the padded path's token counts (H100, BERT-base FC2 at 2143
+# tokens 19.2 us vs 17.5 at 2160).
+_TOKEN_ROUND = 16
 
 
 def pack_mask(attention_mask: Tensor) -> PackedBatch:
@@ -408,7 +417,8 @@ def pack_mask(attention_mask: Tensor) -> PackedBatch:
     lengths = (attention_mask != 0).sum(1)
     cu = torch.zeros(b + 1, dtype=torch.int32, device=attention_mask.device)
     cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
-    return PackedBatch(indices, cu, int(lengths.max()) if b else 0, b, s)
+    gather = torch.cat([indices, indices.new_zeros(-indices.numel() % _TOKEN_ROUND)])
+    return PackedBatch(indices, cu, int(lengths.max()) if b else 0, b, s, gather)
 
 
 class Int8Encoder(torch.nn.Module):
@@ -552,7 +562,8 @@ class Int8Encoder(torch.nn.Module):
     def forward_packed(self, input_ids: Tensor, token_type_ids: Tensor, positions: Tensor, cu_seqlens: Tensor,
                        max_seqlen: int) -> Tensor:
         """Packed tokens [T] (ids, token types, positions within their sequence) -> hidden states [T, H] fp16.
-        No host synchronisation: capturable in a CUDA graph."""
+        No host synchronisation: capturable in a CUDA graph. Tokens past cu_seqlens[-1] (up to T) belong to no
+        sequence; their rows come back unspecified (`forward` rounds T up to a multiple of 16 with such rows)."""
         return self._layers(input_ids, token_type_ids, positions, cu_seqlens, max_seqlen, None)
 
     @torch.no_grad()
@@ -574,10 +585,11 @@ class Int8Encoder(torch.nn.Module):
         if remove_padding:
             pk = packed or pack_mask(attention_mask)
             idx = pk.indices
-            out_packed = self.forward_packed(input_ids.reshape(-1)[idx], token_type_ids.reshape(-1)[idx],
-                                             positions.reshape(-1)[idx], pk.cu_seqlens, pk.max_seqlen)
+            gather = pk.gather if pk.gather is not None else idx
+            out_packed = self.forward_packed(input_ids.reshape(-1)[gather], token_type_ids.reshape(-1)[gather],
+                                             positions.reshape(-1)[gather], pk.cu_seqlens, pk.max_seqlen)
             out = torch.zeros((b * s, self.hidden), dtype=torch.float16, device=input_ids.device)
-            out[idx] = out_packed
+            out[idx] = out_packed[:idx.numel()]
             return out.view(b, s, self.hidden)
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=input_ids.device)
         key_mask = (attention_mask.reshape(-1) != 0).to(torch.int8)

@@ -100,9 +100,10 @@ ENCODER_CONFIGS = {
             (128, {"block_m": 64, "num_warps": 4, "num_stages": 1}),
         ],
         # the same for packed sequences of varying lengths (starts not 16-aligned): every sequence's last query
-        # block is partly empty, so smaller blocks waste less (benchmarks/results/tune_encoder_varlen.json,
-        # CUDA graphs, lengths uniform in [32, 96]: 32 sequences 10.8 us vs 13.0 for block_m 64, 128 sequences
-        # 28.3 vs 31.1; the two-pass config for lengths in [96, 288] stays the aligned one, 41.2 us, best of 18)
+        # block is partly empty, so smaller blocks waste less (benchmarks/tune_encoder.py TUNE_VARLEN, CUDA
+        # graphs, results/tune_encoder_varlen.json; lengths uniform in [32, 96]: 32 sequences 11.8 us vs 13.6
+        # for block_m 64, 128 sequences 29.5 vs 32.4, best of 8 tiles both; lengths in [96, 288] keep the
+        # aligned two-pass config, 44.0 us, within 3% of the sweep's best, 64x32 at 42.8)
         "attention_one_pass_packed": [
             (128, {"block_m": 32, "num_warps": 4, "num_stages": 1}),
         ],
