@@ -30,9 +30,9 @@ def assert_codes_equal(actual: torch.Tensor, expected: torch.Tensor, tie_rate: f
 
 
 class KernelSpy:
-    """Wraps a Triton kernel: records the keyword arguments (constexprs), positional arguments ("args") and
-    grid of every launch, then
-    launches it. Install with monkeypatch.setattr(module, "_kernel", KernelSpy(module._kernel))."""
+    """Wraps a Triton kernel: records the keyword arguments (constexprs), the positional arguments ("args")
+    and the grid of every launch, then launches it. Install with
+    monkeypatch.setattr(module, "_kernel", KernelSpy(module._kernel))."""
 
     def __init__(self, fn):
         self.fn, self.calls = fn, []
