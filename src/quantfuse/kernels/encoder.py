@@ -463,8 +463,9 @@ def int8_gemm(
         out = torch.empty((2, heads, m, head_dim), dtype=torch.int8, device=dev)
         vt_stride = vt_stride or m
         vt = torch.empty((heads, head_dim, vt_stride), dtype=torch.int8, device=dev)
-        if vt_stride >= cdiv(m, 16) * 16:
-            vt_rows = cdiv(m, 16) * 16
+        m16 = cdiv(m, 16) * 16
+        if vt_stride >= m16:
+            vt_rows = m16
     res_mode = 0
     res = a
     if residual is not None:
