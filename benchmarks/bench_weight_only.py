@@ -117,8 +117,8 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
     tile = kw.pick_tile(m, dev, bits)
     sm90_gluon = gt.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
     if bits == 4 and sm90_gluon and m <= gm.MAX_M and kw.prefer_gemv_mma(m, n, k):  # group 128 here: applies
-        cfg = gm.pick_config(dev)
-        return f"gluon mma decode {cfg.block_n}w{cfg.num_warps}"
+        cfg = gm.pick_config(m, dev)
+        return f"gluon mma decode {cfg.block_n}w{cfg.num_warps}" + ("" if cfg.fused_reduce else " +reduce")
     if m == 1 and gt.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0) and kw.prefer_gemv_tma(
             bits, n, k, tile, kw._num_sms(dev)):
         cfg = gt.pick_config(bits, dev)

@@ -3,12 +3,14 @@
 on the GPU (issues 5 and 6: weight-only decode).
 
 Per (K, N, M): CUDA-graph medians with the weights rotated past L2 (common.time_ms): bf16 F.linear on the
-dequantized weight, torch.ops.aten._weight_int4pack_mm (tinygemm), the shipped dispatch, and each MmaDecodeConfig
-(fused split-K reduction; the first config also with the reduce kernel). Each config's output is first compared
+dequantized weight, torch.ops.aten._weight_int4pack_mm (tinygemm), the dispatch without this kernel ("shipped
+dispatch": the tl kernels), and each MmaDecodeConfig (split-K reduction fused or by the reduce kernel, as the
+config says). Each config's output is first compared
 with x @ W.T in float32 for the unrounded W = (u - z) s (mean |delta| / mean |ref|; the shipped path's error is
 reported too); a config over 3e-3 (a bf16 output rounding is ~1e-3) is reported and not timed.
-W4A16 g128 symmetric, float32 scales, bf16 x. Env: TUNE_CONFIGS ("block_n,warps,programs_per_sm;..."),
-TUNE_KN ("K:N,..."), TUNE_M ("1,16"), TUNE_OUT_NAME (default tune_gemv_mma).
+W4A16 g128 symmetric, float32 scales, bf16 x. Env: TUNE_CONFIGS ("block_n,warps,programs_per_sm[,fused_reduce
+0/1];...", default: the candidates of M's bucket), TUNE_KN ("K:N,..."), TUNE_M ("1,16"), TUNE_OUT_NAME (default
+tune_gemv_mma).
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_gemv_mma.py
 """
 
@@ -33,15 +35,15 @@ from quantfuse.kernels import weight_only as kw  # noqa: E402
 BF16 = torch.bfloat16
 
 
-def _configs():
+def _configs(m: int):
     spec = os.environ.get("TUNE_CONFIGS")
     if not spec:
-        return gm.MMA_DECODE_CONFIGS["sm90"]
+        return gm.candidates(m, torch.device("cuda"))
     return [gm.MmaDecodeConfig(*[int(v) for v in item.split(",")]) for item in spec.split(";") if item]
 
 
 def _short(c) -> str:
-    return f"{c.block_n} w{c.num_warps} p{c.programs_per_sm}"
+    return f"{c.block_n} w{c.num_warps} p{c.programs_per_sm}" + ("" if c.fused_reduce else " reduce-kernel")
 
 
 def main():
@@ -88,15 +90,12 @@ def main():
                              vs_bf16=bf16_us / ship_us, vs_tinygemm=tiny_us / ship_us, vs_shipped=1.0,
                              frac_copy_bw=nbytes / (ship_us * 1e-6) / 1e9 / bw,
                              rel_err=common.mean_rel_diff(want, ref)))
-            variants = [(c, True) for c in _configs()] + [(_configs()[0], False)]
-            for cfg, fused in variants:
-                def ours(x_, q, cfg=cfg, fused=fused):
-                    if fused:
-                        return kw.gemv_mma_mm(x_, q.qweight, q.scales, q.zeros, None, q.group_size, n, config=cfg)
-                    return gm.gemv_mma(x_, q.qweight, q.scales, q.zeros, None, q.group_size, n, config=cfg,
-                                       counters=None, num_sms=kw._num_sms(dev))
+            variants = _configs(m)
+            for cfg in variants:
+                def ours(x_, q, cfg=cfg):
+                    return kw.gemv_mma_mm(x_, q.qweight, q.scales, q.zeros, None, q.group_size, n, config=cfg)
 
-                label = _short(cfg) + ("" if fused else " reduce-kernel")
+                label = _short(cfg)
                 try:
                     err = common.mean_rel_diff(ours(x, qw), ref)
                 except Exception as e:  # noqa: BLE001 - a config the kernel refuses is reported, not fatal

@@ -54,7 +54,7 @@ def test_every_config_vs_unrounded_weights(scheme, dtype):
         for m in MS:
             x = torch.randn(m, k, device=DEV).to(dtype)
             assert gm.applies(x, qw.qweight, qw.scales, 4, group, k), "the case must reach the Gluon kernel"
-            for cfg in gm.MMA_DECODE_CONFIGS["sm90"]:
+            for cfg in gm.all_configs("sm90"):
                 y = _run(x, qw, bias, cfg)
                 _check_bound(y, x, qw, bias, f"{cfg}-g{group}-K{k}N{n}M{m}-{dtype}")
 
@@ -67,11 +67,12 @@ def test_forced_splits_agree(m, fused):
     x = torch.randn(m, k, device=DEV).to(BF16)
     bias = torch.randn(n, device=DEV).to(BF16)
     chunks = -(-k // gm.CHUNK)
+    cfg = gm.MmaDecodeConfig(128, 4, 4, fused_reduce=fused)  # the M <= 16 pick reduces with the kernel
     for splits in (1, 3, chunks):
-        y = _run(x, qw, bias, splits=splits, fused=fused)
+        y = _run(x, qw, bias, cfg=cfg, splits=splits, fused=fused)
         _check_bound(y, x, qw, bias, f"splits={splits}-fused={fused}-M{m}")
     for _ in range(3):  # the counters are left at zero: repeated fused launches stay right
-        _check_bound(_run(x, qw, bias, splits=3, fused=fused), x, qw, bias, "repeat")
+        _check_bound(_run(x, qw, bias, cfg=cfg, splits=3, fused=fused), x, qw, bias, "repeat")
 
 
 @pytest.mark.parametrize("group,sym", [(128, True), (256, False), (-1, False)])
@@ -84,10 +85,11 @@ def test_identity_rows_equal_w_hat(group, sym, dtype):
     e = torch.zeros(len(picks), k, device=DEV, dtype=dtype)  # M = 8 one-hot rows at once
     for i, kk in enumerate(picks):
         e[i, kk] = 1
-    for cfg in gm.MMA_DECODE_CONFIGS["sm90"][:3]:
-        got = _run(e, qw, cfg=cfg)
-        for i, kk in enumerate(picks):
-            assert torch.equal(got[i].view(torch.int16), w_hat[:, kk].contiguous().view(torch.int16)), (cfg, kk)
+    for cfg in gm.all_configs("sm90")[:3] + [gm.pick_config(16, e.device)]:
+        for rows in (e, torch.cat([e, e])):  # M = 8 and 16 (one and two n-tiles of the instruction)
+            got = _run(rows, qw, cfg=cfg)
+            for i, kk in enumerate(picks * (rows.shape[0] // len(picks))):
+                assert torch.equal(got[i].view(torch.int16), w_hat[:, kk].contiguous().view(torch.int16)), (cfg, kk)
 
 
 @pytest.mark.parametrize("m", [1, 12])
@@ -115,13 +117,13 @@ def test_public_op_dispatch(monkeypatch):
     monkeypatch.setattr(gm, "gemv_mma", lambda *a, **kw_: calls.append(1) or real(*a, **kw_))
     for k, n in ((4096, 4096), (4096, 14336)):
         qw = qf.quantize_weight(_weight(n, k), bits=4, group_size=128)
-        for m in (1, 4, 8, 9, 17):
+        for m in (1, 4, 8, 9, 16, 17):
             calls.clear()
             x = torch.randn(m, k, device=DEV).to(BF16)
             y = qf.weight_only_mm(x, qw)
             here = kw.prefer_gemv_mma(m, n, k)
             assert bool(calls) == here, (m, n, k)
-            assert here == ((m == 1 and n == 14336) or 2 <= m <= 8), "the measured ranges (GEMV_MMA_MIN_WEIGHTS)"
+            assert here == ((m == 1 and n == 14336) or 2 <= m <= 16), "the measured ranges (GEMV_MMA_MIN_WEIGHTS)"
             if here:
                 _check_bound(y, x, qw, torch.zeros(n, device=DEV, dtype=BF16), f"public op M={m}")
     calls.clear()

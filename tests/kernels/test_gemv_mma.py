@@ -15,7 +15,7 @@ from quantfuse.kernels import weight_only as kw
 
 
 def test_shipped_configs_are_valid_and_bad_ones_refused():
-    for cfg in gm.MMA_DECODE_CONFIGS["sm90"]:
+    for cfg in gm.all_configs("sm90"):
         gm.check_config(cfg)
     for bad in (gm.MmaDecodeConfig(96, 4, 4), gm.MmaDecodeConfig(32, 4, 4), gm.MmaDecodeConfig(128, 3, 4),
                 gm.MmaDecodeConfig(128, 4, 0)):
@@ -37,7 +37,9 @@ def test_prefer_rule():
     assert not kw.prefer_gemv_mma(1, 6144, 4096)  # the tl GEMV is ahead on the small M = 1 shapes
     assert kw.prefer_gemv_mma(2, 4096, 4096) and kw.prefer_gemv_mma(8, 4096, 4096)
     assert not kw.prefer_gemv_mma(8, 1024, 4096)
-    assert not kw.prefer_gemv_mma(9, 28672, 4096) and not kw.prefer_gemv_mma(16, 28672, 4096)
+    assert kw.prefer_gemv_mma(9, 28672, 4096) and kw.prefer_gemv_mma(16, 4096, 4096)
+    assert kw.prefer_gemv_mma(16, 1024, 4096) and not kw.prefer_gemv_mma(16, 1024, 2048)
+    assert not kw.prefer_gemv_mma(17, 28672, 4096)
 
 
 def _compile_sm90(dtype="bf16", per_channel=False, has_zero=False, mp=8, cfg=None):
@@ -47,7 +49,7 @@ def _compile_sm90(dtype="bf16", per_channel=False, has_zero=False, mp=8, cfg=Non
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = cfg or gm.MMA_DECODE_CONFIGS["sm90"][0]
+    cfg = cfg or gm.all_configs("sm90")[0]
     fn = gm._wo_mma_decode_kernel
     names = fn.arg_names
     consts = dict(HAS_ZERO=has_zero, HAS_BIAS=True, SPLIT=True, FUSED_REDUCE=True, PER_CHANNEL=per_channel,

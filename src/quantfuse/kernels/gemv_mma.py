@@ -37,7 +37,7 @@ Scope (`applies`): sm90 exactly, 1 <= M <= 16, float16 / bfloat16 x, int4 codes,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -76,16 +76,36 @@ if GLUON_AVAILABLE:  # the kernel's copies (a @jit function reads constexpr glob
 @dataclass(frozen=True)
 class MmaDecodeConfig:
     """block_n rows per program (16 x num_warps x row tiles per warp: a warp's x fragment serves its tiles);
-    programs_per_sm sets the split-K target (row blocks x splits ~ programs_per_sm x SMs)."""
+    programs_per_sm sets the split-K target (row blocks x splits ~ programs_per_sm x SMs); fused_reduce: the
+    last split of a row block adds the partials (with a counter slot), else `weight_only.splitk_reduce` does."""
     block_n: int
     num_warps: int
     programs_per_sm: int
+    fused_reduce: bool = True
 
 
-# Per architecture, the candidates; the first runs, the rest are what benchmarks/tune_gemv_mma.py sweeps.
-_INT4 = [MmaDecodeConfig(128, 4, 4), MmaDecodeConfig(64, 4, 8), MmaDecodeConfig(128, 4, 2),
-         MmaDecodeConfig(256, 8, 2), MmaDecodeConfig(64, 2, 8), MmaDecodeConfig(128, 8, 4)]
-MMA_DECODE_CONFIGS: Dict[str, List[MmaDecodeConfig]] = {"sm90": _INT4}
+# Per architecture, (largest M, candidates) by increasing M: the first candidate of M's bucket runs, the rest
+# are what benchmarks/tune_gemv_mma.py sweeps. M = 9..16 (two n-tiles of the instruction: ~195 registers, 2
+# programs per SM in ncu, results/ncu_gemv_mma.txt): with the fused reduction the last program of a row block
+# reads [splits, M, 128] float32 partials alone, in the mma layout; the same config with the reduce kernel
+# takes 0.58-1.0x its time (H100, results/tune_gemv_mma_m16.json, eight shapes 4096x1024..28672x8192, M = 9 /
+# 12 / 16, CUDA graphs), and 128 rows x 4 warps x 2 programs per SM is within 1% of the best candidate on each.
+# A TMA-fed variant (words through a shared-memory ring, 124 registers at M = 16) measured 0.7-1.0x these picks
+# at M = 1..16 and was not kept (results/tune_gemv_mma_tma*.json).
+_INT4_ONE_TILE = [MmaDecodeConfig(128, 4, 4), MmaDecodeConfig(64, 4, 8), MmaDecodeConfig(128, 4, 2),
+                  MmaDecodeConfig(256, 8, 2), MmaDecodeConfig(64, 2, 8), MmaDecodeConfig(128, 8, 4)]
+_INT4_TWO_TILES = [MmaDecodeConfig(128, 4, 2, False), MmaDecodeConfig(128, 4, 3, False),
+                   MmaDecodeConfig(128, 4, 4, False), MmaDecodeConfig(256, 4, 1, False), MmaDecodeConfig(128, 4, 2)]
+MMA_DECODE_CONFIGS: Dict[str, List[Tuple[int, List[MmaDecodeConfig]]]] = {
+    "sm90": [(8, _INT4_ONE_TILE), (MAX_M, _INT4_TWO_TILES)]}
+
+
+def all_configs(arch: str) -> List[MmaDecodeConfig]:
+    """Every candidate of every M bucket, once each (what the tests run)."""
+    out: List[MmaDecodeConfig] = []
+    for _, cfgs in MMA_DECODE_CONFIGS[arch]:
+        out += [c for c in cfgs if c not in out]
+    return out
 
 
 def check_config(cfg: MmaDecodeConfig) -> None:
@@ -97,8 +117,13 @@ def check_config(cfg: MmaDecodeConfig) -> None:
         raise ValueError(f"config programs_per_sm: expected >= 1, got {cfg.programs_per_sm}")
 
 
-def pick_config(device: torch.device) -> MmaDecodeConfig:
-    return MMA_DECODE_CONFIGS[arch_key(device.type, device.index)][0]
+def candidates(m: int, device: torch.device) -> List[MmaDecodeConfig]:
+    """The candidates of M's bucket (1 <= M <= MAX_M), the shipped pick first."""
+    return next(cfgs for max_m, cfgs in MMA_DECODE_CONFIGS[arch_key(device.type, device.index)] if m <= max_m)
+
+
+def pick_config(m: int, device: torch.device) -> MmaDecodeConfig:
+    return candidates(m, device)[0]
 
 
 def applies(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
@@ -314,10 +339,11 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
              config: Optional[MmaDecodeConfig] = None, splits: Optional[int] = None,
              counters: Optional[torch.Tensor] = None, num_sms: Optional[int] = None) -> torch.Tensor:
     """out [M, N] = x2d @ W.T (+ bias) for int4 codes; the caller checked `applies` and validated the arguments.
-    counters: a zeroed int32 slot per row block for the fused split-K reduction (None: a second kernel reduces)."""
+    counters: a zeroed int32 slot per row block for the fused split-K reduction (None, or a config without
+    fused_reduce: a second kernel reduces)."""
     from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
 
-    cfg = config or pick_config(x2d.device)
+    cfg = config or pick_config(x2d.shape[0], x2d.device)
     check_config(cfg)
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(x2d.device).multi_processor_count
@@ -332,7 +358,7 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
     split = splits > 1
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out
-    fused = split and counters is not None and counters.numel() >= grid_n
+    fused = split and cfg.fused_reduce and counters is not None and counters.numel() >= grid_n
     has_bias = bias is not None
     # groups of whole chunks, a power of two of them (validated); per channel: one group
     group_chunk_shift = 0 if per_channel else (group_size // CHUNK).bit_length() - 1

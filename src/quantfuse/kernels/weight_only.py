@@ -57,7 +57,8 @@ Kernels:
   (`prefer_gemv_tma`), where it measured faster on the H100.
 - `gemv_mma` (Gluon, sm90, int4, M <= 16): the scale-after product on mma.sync, the packed words converted in
   registers straight into the A operand (two weights per LOP3 + HADD2); `weight_only_mm` runs it in the measured
-  M and N x K ranges of `GEMV_MMA_MIN_WEIGHTS` (M = 2..8 from 4096x4096 up, M = 1 on the large shapes).
+  M and N x K ranges of `GEMV_MMA_MIN_WEIGHTS` (M = 1 on the large shapes, 2..8 from 4096x4096 up, 9..16 from
+  4096x1024 up).
 - `_dequant_kernel` writes w_hat [N, K] (for `QuantizedWeight.dequantize` and for large M, where
   dequantize-once + cuBLAS can beat the fused kernel; the crossover is data in `_DISPATCH`).
 Launchers assume the arguments were validated by `quantfuse.ops`.
@@ -1032,9 +1033,10 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
 # Where the Gluon tensor-core decode kernel beats the tl kernels (H100, W4A16 g128, bf16 x, CUDA graphs, weights
 # rotated past L2; benchmarks/tune_gemv_mma.py, results/tune_gemv_mma.json, same run): M = 1 1.02-1.25x the tl
 # GEMV from 4096x14336 up (28672x8192 56.2 us = 0.74 of copy bandwidth, 3.0x bf16) but 0.92-0.97x on 4096x1024 /
-# 4096x4096 / 4096x6144; M = 2..8 1.16-1.37x the tl mma tile from 4096x4096 up, 0.91-1.03x at 4096x1024; M = 9..16
-# (two n-tiles of the instruction) 0.76-0.94x with the fused reduction, ~1.0x with the reduce kernel: not taken.
-GEMV_MMA_MIN_WEIGHTS = ((1, 48 << 20), (8, 8 << 20))  # (largest M, smallest N x K), by increasing M
+# 4096x4096 / 4096x6144; M = 2..8 1.16-1.37x the tl mma tile from 4096x4096 up, 0.91-1.03x at 4096x1024. M = 9..16
+# (two n-tiles of the instruction; gemv_mma's second bucket, split-K reduced by the reduce kernel): 1.06-1.24x the
+# tl mma tile on all eight shapes from 4096x1024 up (results/tune_gemv_mma_m16.json, M = 9 / 12 / 16).
+GEMV_MMA_MIN_WEIGHTS = ((1, 48 << 20), (8, 8 << 20), (16, 4 << 20))  # (largest M, smallest N x K), by increasing M
 
 
 def prefer_gemv_mma(m: int, n: int, k: int) -> bool:
@@ -1050,8 +1052,8 @@ def gemv_mma_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
                 config: Optional["gemv_mma.MmaDecodeConfig"] = None, splits: Optional[int] = None) -> torch.Tensor:
     """The Gluon tensor-core int4 decode kernel (`gemv_mma`, sm90, M <= 16) with this module's split-K counters and
     SM count; the caller checked `gemv_mma.applies`."""
-    cfg = config or gemv_mma.pick_config(x2d.device)
-    counters = _tile_counters(x2d.device, cdiv(n, cfg.block_n))
+    cfg = config or gemv_mma.pick_config(x2d.shape[0], x2d.device)
+    counters = _tile_counters(x2d.device, cdiv(n, cfg.block_n)) if cfg.fused_reduce else None
     return gemv_mma.gemv_mma(x2d, qweight, scales, zeros, bias, group_size, n, config=cfg, splits=splits,
                              counters=counters, num_sms=_num_sms(x2d.device))
 
