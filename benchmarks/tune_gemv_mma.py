@@ -5,9 +5,9 @@ on the GPU (issues 5 and 6: weight-only decode).
 Per (K, N, M): CUDA-graph medians with the weights rotated past L2 (common.time_ms): bf16 F.linear on the
 dequantized weight, torch.ops.aten._weight_int4pack_mm (tinygemm), the dispatch without this kernel ("shipped
 dispatch": the tl kernels), and each MmaDecodeConfig (split-K reduction fused or by the reduce kernel, as the
-config says). Each config's output is first compared
-with x @ W.T in float32 for the unrounded W = (u - z) s (mean |delta| / mean |ref|; the shipped path's error is
-reported too); a config over 3e-3 (a bf16 output rounding is ~1e-3) is reported and not timed.
+config says). Each config's output is first compared with x @ W.T in float32 for the unrounded W = (u - z) s
+(mean |delta| / mean |ref|; the shipped path's error is reported too); a config over 3e-3 (a bf16 output rounding
+is ~1e-3) is reported and not timed.
 W4A16 g128 symmetric, float32 scales, bf16 x. Env: TUNE_CONFIGS ("block_n,warps,programs_per_sm[,fused_reduce
 0/1];...", default: the candidates of M's bucket), TUNE_KN ("K:N,..."), TUNE_M ("1,16"), TUNE_OUT_NAME (default
 tune_gemv_mma).

@@ -5,10 +5,10 @@ Bound (as test_gemv_tma_gpu.py: each chunk's float32 product of u - z with x is 
 against the product with the unrounded weights W = (u - z) * s in float32,
     |y - x @ W.T - b| <= u |x @ W.T + b| + 2^-20 (|x| @ |W|.T + |b|) + 2^-24 (fp16 only),
 one output rounding plus room for the float32 accumulation; identity rows give w_hat bit for bit (u - z exact in
-x's dtype, times 1, one float32 scale multiply and one rounding). Every candidate config at the M of its bucket (1..8, 9..16), group 128 /
-256 / per channel, symmetric and not, float32 and 16-bit scales, bf16 / fp16, K with a partial chunk (200, 7392),
-odd N (100, 257), splits forced to 1 / 3 / every chunk with and without the fused reduction; NaN / inf / all-zero
-x, dispatch from quantfuse.weight_only_mm, CUDA graph replay.
+x's dtype, times 1, one float32 scale multiply and one rounding). Every candidate config at the M of its bucket
+(1..8, 9..16), group 128 / 256 / per channel, symmetric and not, float32 and 16-bit scales, bf16 / fp16, K with a
+partial chunk (200, 7392), odd N (100, 257), splits forced to 1 / 3 / every chunk with and without the fused
+reduction; NaN / inf / all-zero x, dispatch from quantfuse.weight_only_mm, CUDA graph replay.
 """
 
 import pytest
