@@ -343,9 +343,8 @@ class _ScaledMMLinear(QuantizedLinear):
 
     @classmethod
     def _stacked(cls, members) -> "_ScaledMMLinear":
-        """One layer of this class computing all `members`' outputs (`MergedProjections`)."""
-        return cls(torch.cat([m.weight for m in members]), torch.cat([m.weight_scale for m in members]),
-                   _stacked_biases(members))
+        """One layer of this class computing all `members`' outputs (`MergedProjections`, gated MLPs)."""
+        return _stack_layers(cls, members)
 
     @staticmethod
     def _scale_rows(a: int, b: int) -> Tuple[int, int]:
@@ -539,8 +538,7 @@ class Fp8BlockLinear(QuantizedLinear):
 
     @classmethod
     def _stacked(cls, members) -> "Fp8BlockLinear":  # all but the last member whole 128-row blocks (checked)
-        return cls(torch.cat([m.weight for m in members]), torch.cat([m.weight_scale for m in members]),
-                   _stacked_biases(members))
+        return _stack_layers(cls, members)
 
     @staticmethod
     def _scale_rows(a: int, b: int) -> Tuple[int, int]:
@@ -560,6 +558,12 @@ class Fp8BlockLinear(QuantizedLinear):
         return {"format": "float-quantized",
                 "weights": _ct_args(8, "float", "block", block_structure=[BLOCK, BLOCK]),
                 "input_activations": _ct_args(8, "float", "group", dynamic=True, group_size=BLOCK)}
+
+
+def _stack_layers(cls, members):
+    """A `cls` layer over the members' weights and scales stacked along the output channels."""
+    return cls(torch.cat([m.weight for m in members]), torch.cat([m.weight_scale for m in members]),
+               _stacked_biases(members))
 
 
 def _stacked_biases(members) -> Optional[Tensor]:
@@ -607,9 +611,7 @@ class GatedMLP(nn.Module):
 
     @classmethod
     def from_layers(cls, gate: nn.Module, up: nn.Module, down: nn.Module) -> "GatedMLP":
-        gate_up = cls.layer_class(torch.cat([gate.weight, up.weight]), torch.cat([gate.weight_scale, up.weight_scale]),
-                                  _stacked_biases([gate, up]))
-        return cls(gate_up, down)
+        return cls(cls.layer_class._stacked([gate, up]), down)
 
     def split_layers(self) -> Dict[str, nn.Module]:
         """gate_proj, up_proj, down_proj as separate layers (views of the stacked tensors)."""
@@ -870,8 +872,8 @@ class MergedProjections:
     def __init__(self, members):
         members = list(members)
         if len(members) < 2 or not all(_mergeable_kind(m) for m in members):
-            raise TypeError("members: expected two or more WeightOnlyLinear, Int8DynamicLinear or "
-                            f"Fp8DynamicLinear layers, got {[type(m).__name__ for m in members]}")
+            raise TypeError("members: expected two or more WeightOnlyLinear, Int8DynamicLinear, Fp8DynamicLinear, "
+                            f"Int8StaticLinear or Fp8BlockLinear layers, got {[type(m).__name__ for m in members]}")
         for i, m in enumerate(members):
             if m._merged is not None:
                 raise ValueError(f"members[{i}]: already part of a MergedProjections")
@@ -968,8 +970,9 @@ def merged_groups(model: nn.Module) -> Dict[Tuple[str, ...], MergedProjections]:
 def merge_projections(model: nn.Module, groups=MERGE_GROUPS,
                       only: Optional[Callable[[str], bool]] = None) -> Dict[Tuple[str, ...], MergedProjections]:
     """Merge sibling layers named in `groups` (children of one module, of one mergeable class with the same
-    in_features and weight format: `MergedProjections`; two or more of a group's names present). Layers already merged, and layers whose full name `only` rejects, are left as they
-    are. Returns the new groups by member names.
+    in_features and weight format: `MergedProjections`; two or more of a group's names present). Layers
+    already merged, and layers whose full name `only` rejects, are left as they are. Returns the new groups
+    by member names.
     A group's members must be called on the same tensor to gain anything (as attention's q/k/v and a
     gated MLP's gate/up are); called on different tensors each computes the whole merged GEMM (correct,
     slower)."""

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for host-side ints. (`triton.cdiv` is a constexpr function whose host calls unwrap
     their arguments: ~5 us each on the H100 machine's CPU, dozens per launch.)"""
@@ -102,9 +103,7 @@ class _LaunchCache:
                 tail.append(self.defaults[name])
             else:  # a runtime argument passed by keyword: keep the JIT path for this key
                 return
-        if len(self.entries) >= PLAN_CACHE_MAX:
-            self.entries.clear()
-        self.entries[key] = (kernel, tuple(tail))
+        remember_plan(self.entries, key, (kernel, tuple(tail)))
 
 
 _LAUNCH_CACHES = {}
