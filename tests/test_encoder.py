@@ -92,30 +92,33 @@ def test_gemm_qkv_vt_rows_rounded_to_16_where_they_fit(monkeypatch, m, vt_stride
         ke.int8_gemm(a, w, 0.02, w_scale, bias, "qkv", **dict(kwargs, vt_stride=m - 1))
 
 
-@pytest.mark.parametrize("variant", [(1, 0), (0, 2), (1, 2)], ids=["tma", "persistent", "tma_persistent"])
+@pytest.mark.parametrize("variant", [(1, 0), (0, 2), (1, 2), (0, 0, 1), (1, 2, 1)],
+                         ids=["tma", "persistent", "tma_persistent", "tma_epilogue", "tma_persistent_epilogue"])
 @pytest.mark.parametrize("kind,residual", [("qkv", None), ("requant", None), ("residual", "fp16"),
                                            ("residual", "int8")])
 @pytest.mark.parametrize("m,k", [(1, 64), (37, 96), (70, 48)])  # K 48: the last K block zero-filled
-def test_gemm_tma_persistent_variants(variant, kind, residual, m, k):
-    # tensor-descriptor loads (zero fill past M and K instead of wrapped rows and masks) and the
-    # persistent grid (2 programs per SM: 8 in the interpreter, fewer than the tiles of the larger cases)
-    tma, persistent = variant
+def test_gemm_tma_persistent_variants(variant, kind, residual, m, k, monkeypatch):
+    # tensor-descriptor loads (zero fill past M and K instead of wrapped rows and masks), the persistent
+    # grid (2 programs per SM: 8 in the interpreter, fewer than the tiles of the larger cases) and the
+    # epilogue's stores / residual loads through descriptors (clipped at M and N; never for QKV's head split)
+    spy = KernelSpy(ke._int8_gemm_kernel)
+    monkeypatch.setattr(ke, "_int8_gemm_kernel", spy)
     n = 3 * 64 if kind == "qkv" else 96
-    out, ref = u.gemm_case(kind, m, n, k, DEV, heads=2, residual=residual,
-                           config=(16, 32, 32, 4, 2, tma, persistent))
+    out, ref = u.gemm_case(kind, m, n, k, DEV, heads=2, residual=residual, config=(16, 32, 32, 4, 2) + variant)
     u.assert_gemm_close(kind, out, ref, m)
+    assert spy.calls[-1]["TMA_EPI"] == (len(variant) == 3 and kind != "qkv")
 
 
 def test_gemm_table_variants_by_epilogue(monkeypatch):
     # the sm90 table's 128x128 tile carries TMA + 2 persistent programs per SM for QKV and FC1, not for the
-    # residual epilogues, and the smaller fallback tiles carry none
+    # residual epilogues; descriptor epilogues for FC1 and the residual ones; the smaller fallback tiles none
     monkeypatch.setattr(ke, "_table", lambda device: ke.ENCODER_CONFIGS["sm90"])
     monkeypatch.setattr(ke, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
-    assert ke._pick_gemm_tile(cpu, 4096, 3072, 768, "requant") == (128, 128, 128, 4, 3, True, 2)
-    assert ke._pick_gemm_tile(cpu, 4096, 2304, 768, "qkv") == (128, 128, 128, 4, 3, True, 2)
-    assert ke._pick_gemm_tile(cpu, 4096, 768, 3072, "residual") == (128, 128, 128, 4, 3, False, 0)
-    assert ke._pick_gemm_tile(cpu, 128, 3072, 768, "requant")[5:] == (False, 0)
+    assert ke._pick_gemm_tile(cpu, 4096, 3072, 768, "requant") == (128, 128, 128, 4, 3, True, 2, True)
+    assert ke._pick_gemm_tile(cpu, 4096, 2304, 768, "qkv") == (128, 128, 128, 4, 3, True, 2, False)
+    assert ke._pick_gemm_tile(cpu, 4096, 768, 3072, "residual") == (128, 128, 128, 4, 3, False, 0, True)
+    assert ke._pick_gemm_tile(cpu, 128, 3072, 768, "requant")[5:] == (False, 0, False)
 
 
 def test_pdl_for_small_token_counts_and_never_interpreted(monkeypatch):

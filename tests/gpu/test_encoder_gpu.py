@@ -29,8 +29,9 @@ def test_gemm_epilogues_full_size(m, kind, residual):
     u.assert_gemm_close(kind, out, ref, m, tol=2e-3)
 
 
-@pytest.mark.parametrize("variant", [(1, 0), (0, 1), (1, 1), (1, 2)],
-                         ids=["tma", "persistent1", "tma_persistent1", "tma_persistent2"])
+@pytest.mark.parametrize("variant", [(1, 0), (0, 1), (1, 1), (1, 2), (0, 0, 1), (1, 2, 1)],
+                         ids=["tma", "persistent1", "tma_persistent1", "tma_persistent2", "tma_epilogue",
+                              "tma_persistent2_epilogue"])
 @pytest.mark.parametrize("m", [1, 31, 4096 + 7])
 @pytest.mark.parametrize("kind,residual", [("qkv", None), ("requant", None), ("residual", "fp16"),
                                            ("residual", "int8")])
