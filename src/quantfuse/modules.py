@@ -445,8 +445,7 @@ class Int8StaticLinear(_ScaledMMLinear):
 
     @classmethod
     def _stacked(cls, members) -> "Int8StaticLinear":  # the members share input_scale / zero point (checked)
-        return cls(torch.cat([m.weight for m in members]), torch.cat([m.weight_scale for m in members]),
-                   _stacked_biases(members), members[0].input_scale, members[0].input_zero_point)
+        return _stack_layers(cls, members, members[0].input_scale, members[0].input_zero_point)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, amax: Optional[float] = None,
@@ -560,10 +559,11 @@ class Fp8BlockLinear(QuantizedLinear):
                 "input_activations": _ct_args(8, "float", "group", dynamic=True, group_size=BLOCK)}
 
 
-def _stack_layers(cls, members):
-    """A `cls` layer over the members' weights and scales stacked along the output channels."""
+def _stack_layers(cls, members, *extra):
+    """A `cls` layer over the members' weights and scales stacked along the output channels (`extra`: the
+    constructor's further arguments, shared by the members)."""
     return cls(torch.cat([m.weight for m in members]), torch.cat([m.weight_scale for m in members]),
-               _stacked_biases(members))
+               _stacked_biases(members), *extra)
 
 
 def _stacked_biases(members) -> Optional[Tensor]:
