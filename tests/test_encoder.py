@@ -115,10 +115,26 @@ def test_gemm_table_variants_by_epilogue(monkeypatch):
     monkeypatch.setattr(ke, "_table", lambda device: ke.ENCODER_CONFIGS["sm90"])
     monkeypatch.setattr(ke, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
-    assert ke._pick_gemm_tile(cpu, 4096, 3072, 768, "requant") == (128, 128, 128, 4, 3, True, 2, True)
-    assert ke._pick_gemm_tile(cpu, 4096, 2304, 768, "qkv") == (128, 128, 128, 4, 3, True, 2, False)
-    assert ke._pick_gemm_tile(cpu, 4096, 768, 3072, "residual") == (128, 128, 128, 4, 3, False, 0, True)
-    assert ke._pick_gemm_tile(cpu, 128, 3072, 768, "requant")[5:] == (False, 0, False)
+    assert ke._pick_gemm_tile(cpu, 4096, 3072, 768, "requant") == (128, 128, 128, 4, 3, True, 2, True, False)
+    assert ke._pick_gemm_tile(cpu, 4096, 2304, 768, "qkv") == (128, 128, 128, 4, 3, True, 2, False, False)
+    assert ke._pick_gemm_tile(cpu, 4096, 768, 3072, "residual") == (128, 128, 128, 4, 3, False, 0, True, False)
+    assert ke._pick_gemm_tile(cpu, 128, 3072, 768, "requant")[5:] == (False, 0, False, False)
+
+
+@pytest.mark.parametrize("kind,residual", [("qkv", None), ("requant", None), ("residual", "int8")])
+def test_gemm_warp_specialized_config_runs_the_tl_twin_interpreted(kind, residual, monkeypatch):
+    # a ninth config element asks for the Gluon kernel (encoder_wgmma), which Gluon's lack of an interpreter
+    # keeps to sm90 GPUs: here the tl kernel runs the same tile, with its persistent grid and descriptors
+    from quantfuse.kernels import encoder_wgmma
+
+    spy = KernelSpy(ke._int8_gemm_kernel)
+    monkeypatch.setattr(ke, "_int8_gemm_kernel", spy)
+    a = u.int8(37, 64)
+    assert not encoder_wgmma.applies(a, u.int8(96, 64), 1, True, True, True, False)
+    n = 3 * 64 if kind == "qkv" else 96
+    out, ref = u.gemm_case(kind, 37, n, 64, DEV, heads=2, residual=residual, config=(16, 32, 32, 4, 2, 1, 2, 0, 1))
+    u.assert_gemm_close(kind, out, ref, 37)
+    assert (spy.calls[-1]["TMA"], spy.calls[-1]["PERSISTENT"]) == (True, True)
 
 
 def test_pdl_for_small_token_counts_and_never_interpreted(monkeypatch):

@@ -29,9 +29,9 @@ def test_gemm_epilogues_full_size(m, kind, residual):
     u.assert_gemm_close(kind, out, ref, m, tol=2e-3)
 
 
-@pytest.mark.parametrize("variant", [(1, 0), (0, 1), (1, 1), (1, 2), (0, 0, 1), (1, 2, 1)],
+@pytest.mark.parametrize("variant", [(1, 0), (0, 1), (1, 1), (1, 2), (0, 0, 1), (1, 2, 1), (1, 1, 0, 1), (1, 1, 1, 1)],
                          ids=["tma", "persistent1", "tma_persistent1", "tma_persistent2", "tma_epilogue",
-                              "tma_persistent2_epilogue"])
+                              "tma_persistent2_epilogue", "ws_gluon", "ws_gluon_tma_out"])
 @pytest.mark.parametrize("m", [1, 31, 4096 + 7])
 @pytest.mark.parametrize("kind,residual", [("qkv", None), ("requant", None), ("residual", "fp16"),
                                            ("residual", "int8")])
@@ -42,12 +42,14 @@ def test_gemm_tma_persistent_full_size(variant, m, kind, residual):
     u.assert_gemm_close(kind, out, ref, m, tol=2e-3)
 
 
+@pytest.mark.parametrize("config", [None, (128, 128, 128, 4, 4, 1, 1, 0, 1), (128, 128, 128, 4, 4, 1, 1, 1, 1)],
+                         ids=["table", "ws_gluon", "ws_gluon_tma_out"])
 @pytest.mark.parametrize("m", [1, 31, 4096 + 7])
 @pytest.mark.parametrize("kind,residual", [("requant", None), ("residual", "int8")])
-def test_gemm_per_column_scales_full_size(m, kind, residual):
+def test_gemm_per_column_scales_full_size(m, kind, residual, config):
     # a smoothed encoder's epilogues: per-column requantization scales (FC1) and int8 residuals (mode 2)
     n, k = {"requant": (3072, 768), "residual": (768, 3072)}[kind]
-    out, ref = u.gemm_case(kind, m, n, k, DEV, residual=residual, column=True)
+    out, ref = u.gemm_case(kind, m, n, k, DEV, residual=residual, column=True, config=config)
     if kind == "requant":
         u.assert_int8_close(out, ref)
     else:

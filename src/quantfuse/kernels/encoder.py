@@ -54,6 +54,7 @@ import triton.language as tl
 from ._common import (INTERPRET, cdiv, describable, descriptor, exp2_approx, grid_dependency_sync, launch_kernel,
                       i32_to_f32_small, next_pow2, pdl_launch_options, pdl_supported, persistent_grid, rcp_approx,
                       tile_coords, tma_variant, to_int8_sat, to_int8_sat_nonneg)
+from . import encoder_wgmma
 from .configs import arch_key, sm_count
 
 # ----------------------------------------------------------------------------------------------------
@@ -63,10 +64,11 @@ from .configs import arch_key, sm_count
 ENCODER_CONFIGS = {
     "sm90": {
         # (block_m, block_n, block_k, num_warps, num_stages, min_waves, variants); variants: per epilogue
-        # (tma, persistent[, tma_epilogue]) -- A and W loaded through tensor descriptors (the copy engine: no
-        # per-thread addresses, zero fill past the edges), programs per SM of a persistent grid whose flattened
-        # tile loop issues the next tile's loads under this tile's epilogue (0: a program per tile), and the
-        # output tile stored (the residual loaded) through descriptors; an epilogue not named runs (False, 0).
+        # (tma, persistent[, tma_epilogue[, warp_specialized]]) -- A and W loaded through tensor descriptors (the
+        # copy engine: no per-thread addresses, zero fill past the edges), programs per SM of a persistent grid
+        # whose flattened tile loop issues the next tile's loads under this tile's epilogue (0: a program per tile),
+        # the output tile stored (the residual loaded) through descriptors, and the Gluon kernel of
+        # encoder_wgmma.py instead of this file's; an epilogue not named runs (False, 0).
         # From benchmarks/tune_encoder.py on the H100 (BERT-base GEMMs at 1024, 4096 and 16384 tokens, CUDA
         # graphs; tune_encoder_gemm_tiles.json): 128x128x128 with 4 warps and 3
         # stages once the grid fills one wave (fc2 at 4096 tokens 25.5 us vs 31.2 for 128x64, o 14.5 vs 15.2,
@@ -81,7 +83,10 @@ ENCODER_CONFIGS = {
         # descriptors (tune_encoder_tma_epilogue.json, one run, 2048 / 4096 / 16384 tokens): O 11.3 / 13.8 /
         # 36.0 us vs 11.4 / 14.5 / 38.5, FC2 21.4 / 24.6 / 79.1 vs 21.5 / 25.5 / 82.6, FC1 (TMA, 2 per SM)
         # 21.4 / 31.5 / 112.7 vs 21.9 / 32.0 / 116.2; with the persistent grid the residual ones lose (FC2
-        # 37.2 us at 4096 tokens).
+        # 37.2 us at 4096 tokens). A ninth element selects the warp-specialized Gluon kernel (encoder_wgmma.py);
+        # no tile here does: same run (tune_encoder_ws_gluon.json, 4096 tokens) qkv 36.0 us vs 22.5, fc1 41.1 vs
+        # 31.4, o 16.5 vs 13.8, fc2 28.9 vs 24.7 (it wins fc2 only at 2048 and 16384 tokens: 18.3 vs 21.4, 75.6
+        # vs 78.4).
         "gemm": [
             (128, 128, 128, 4, 3, 1.0,
              {"qkv": (True, 2), "requant": (True, 2, True), "residual": (False, 0, True)}),
@@ -401,7 +406,7 @@ def _pick_gemm_tile(device: torch.device, m: int, n: int, k: int, epilogue: str)
                   tiles[-1])
     bm, bn, bk, warps, stages, _, variants = chosen
     variant = tuple(variants.get(epilogue, ()))
-    return (bm, bn, min(bk, k_p2), warps, stages) + variant + (False, 0, False)[len(variant):]
+    return (bm, bn, min(bk, k_p2), warps, stages) + variant + (False, 0, False, False)[len(variant):]
 
 
 def int8_gemm(
@@ -425,11 +430,13 @@ def int8_gemm(
 ):
     """Launch `acc = a @ w.T` (int8 [M, K] x int8 [N, K]) with the named epilogue (module docstring).
 
-    config (block_m, block_n, block_k, num_warps, num_stages[, tma, persistent[, tma_epilogue]]), reciprocal
-    and fast_gelu override the table (for benchmarks/tune_encoder.py). tma: load A and W through tensor
-    descriptors (the Hopper copy engine) where the operands are `describable`; persistent: programs per SM of
-    a persistent grid (0: one program per tile); tma_epilogue: the "residual" and "requant" epilogues store
-    (and load the residual) through tensor descriptors where those tensors are describable.
+    config (block_m, block_n, block_k, num_warps, num_stages[, tma, persistent[, tma_epilogue
+    [, warp_specialized]]]), reciprocal and fast_gelu override the table (for benchmarks/tune_encoder.py). tma:
+    load A and W through tensor descriptors (the Hopper copy engine) where the operands are `describable`;
+    persistent: programs per SM of a persistent grid (0: one program per tile); tma_epilogue: the "residual" and
+    "requant" epilogues store (and load the residual) through tensor descriptors where those tensors are
+    describable; warp_specialized: the Gluon kernel of `encoder_wgmma` (a copy-engine loader and two consumer
+    warpgroups in ping-pong; block_m 128, num_warps ignored) where `encoder_wgmma.applies`, else this one.
 
     out_scale: float32 [1] (per tensor) or [N] (per output column: "qkv", and "requant" when the consumer
     of the int8 output folds a per-channel smoothing factor into its weight). residual_scale: a float, or
@@ -467,9 +474,9 @@ def int8_gemm(
         raise ValueError(f"vt_stride: V^T rows must hold all M={m} tokens, got vt_stride={vt_stride}")
     dev = a.device
     tile = tuple(config) if config is not None else _pick_gemm_tile(dev, m, n, k, epilogue)
-    if len(tile) not in (5, 7, 8):
+    if len(tile) not in (5, 7, 8, 9):
         raise ValueError(f"config: expected (block_m, block_n, block_k, num_warps, num_stages[, tma, persistent"
-                         f"[, tma_epilogue]]), got {config!r}")
+                         f"[, tma_epilogue[, warp_specialized]]]), got {config!r}")
     bm, bn, bk, warps, stages = tile[:5]
     use_tma, persistent = tma_variant(*(tile[5:7] if len(tile) >= 7 else (False, 0)), describable(a, w))
     if reciprocal is None:
@@ -496,6 +503,20 @@ def int8_gemm(
     if residual is not None:
         res = residual
         res_mode = 1 if residual.dtype == torch.float16 else 2
+    column_out_scale = out_scale is not None and out_scale.numel() > 1 and code == 1
+    aligned_qkv = code == 2 and hidden % bn == 0 and (bn % head_dim == 0 or head_dim % bn == 0)
+    if (len(tile) == 9 and tile[8] and bm == 128 and bn % 16 == 0
+            and encoder_wgmma.applies(a, w, code, bool(reciprocal), gelu, bool(fast_gelu), aligned_qkv)):
+        encoder_wgmma.launch(
+            a, w, out, res, vt, bias, w_scale, out_scale if out_scale is not None else w_scale,
+            residual_scale if column_res else w_scale, m=m, n=n, k=k,
+            stride_rm=res.stride(0) if res.dim() == 2 else 0, stride_om=out.stride(0) if code != 2 else 0,
+            stride_vt=vt_stride or 0, vt_rows=vt_rows, a_scale=a_scale,
+            res_scale=1.0 if column_res else float(residual_scale), hidden=hidden, code=code, res_mode=res_mode,
+            gelu=gelu, head_dim=head_dim, column_out_scale=column_out_scale, column_res_scale=column_res,
+            block_m=bm, block_n=bn, block_k=bk, stages=stages, programs_per_sm=max(1, int(tile[6])),
+            tma_out=bool(tile[7]), sms=sm_count(dev))
+        return (out, vt) if code == 2 else out
     grid = (persistent_grid(cdiv(m, bm) * cdiv(n, bn), int(persistent), sm_count(dev)),)
     pdl = _pdl(dev, m)
     a_src, w_src = (descriptor(a, (bm, bk)), descriptor(w, (bn, bk))) if use_tma else (a, w)
@@ -510,9 +531,8 @@ def int8_gemm(
         float(a_scale), 1.0 if column_res else float(residual_scale), residual_scale if column_res else w_scale,
         hidden,
         EPILOGUE=code, RES_MODE=res_mode, GELU=gelu, HEAD_DIM=head_dim,
-        COLUMN_OUT_SCALE=out_scale is not None and out_scale.numel() > 1 and code == 1,
-        COLUMN_RES_SCALE=column_res, RECIPROCAL=bool(reciprocal),
-        ALIGNED_QKV=code == 2 and hidden % bn == 0 and (bn % head_dim == 0 or head_dim % bn == 0),
+        COLUMN_OUT_SCALE=column_out_scale, COLUMN_RES_SCALE=column_res, RECIPROCAL=bool(reciprocal),
+        ALIGNED_QKV=aligned_qkv,
         EVEN_K=(k % bk == 0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FAST_GELU=bool(fast_gelu) and gelu, TMA=use_tma,
         PERSISTENT=bool(persistent), TMA_EPI=tma_epi, PDL=pdl, INTERPRET=INTERPRET, num_warps=warps, num_stages=stages,
