@@ -75,10 +75,11 @@ if GLUON_AVAILABLE:
         TMA_OUT: gl.constexpr
         GROUP_M: gl.constexpr
         STAGES: gl.constexpr
+        CONSUMER: gl.constexpr  # which consumer warpgroup a partition is (the loader ignores it)
 
         @gluon.constexpr_function
         def __init__(self, EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, TMA_OUT, GROUP_M,
-                     STAGES):
+                     STAGES, CONSUMER):
             self.EPILOGUE = gl.constexpr(EPILOGUE)
             self.RES_MODE = gl.constexpr(RES_MODE)
             self.GELU = gl.constexpr(GELU)
@@ -88,10 +89,12 @@ if GLUON_AVAILABLE:
             self.TMA_OUT = gl.constexpr(TMA_OUT)
             self.GROUP_M = gl.constexpr(GROUP_M)
             self.STAGES = gl.constexpr(STAGES)
+            self.CONSUMER = gl.constexpr(CONSUMER)
 
     @gluon.jit
     def _tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-        """Grouped order: GROUP_M row tiles walk one column band of W (kept in L2)."""
+        """Grouped order: GROUP_M row tiles walk one column band of W (kept in L2). _common.tile_coords written
+        for Gluon, which cannot call a `tl` function (blockwise_wgmma inlines the same lines)."""
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
         width = GROUP_M * num_pid_n
@@ -190,13 +193,14 @@ if GLUON_AVAILABLE:
                 gl.store(out_ptr + rm.to(gl.int64)[:, None] * stride_om + rn[None, :], y, mask=mask)
 
     @gluon.jit
-    def _consumer(CONSUMER: gl.constexpr, a_desc, w_desc, out_desc, a_smem, w_smem, c_smem, ready, empty, turn,
+    def _consumer(a_desc, w_desc, out_desc, a_smem, w_smem, c_smem, ready, empty, turn,
                   bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr, M, N, K, stride_rm, stride_om,
                   stride_vt, vt_rows, a_scale, res_scale, res_scale_vec_ptr, HIDDEN, cfg):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         STAGES: gl.constexpr = cfg.STAGES
+        CONSUMER: gl.constexpr = cfg.CONSUMER
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 32])
         num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
@@ -231,22 +235,6 @@ if GLUON_AVAILABLE:
                       cfg.COLUMN_RES_SCALE, cfg.TMA_OUT, BLOCK_M, BLOCK_N)
         if cfg.TMA_OUT:
             tma.store_wait(0)
-
-    @gluon.jit
-    def _consumer0(a_desc, w_desc, out_desc, a_smem, w_smem, c_smem, ready, empty, turn, bias_ptr, w_scale_ptr,
-                   out_scale_ptr, res_ptr, out_ptr, vt_ptr, M, N, K, stride_rm, stride_om, stride_vt, vt_rows,
-                   a_scale, res_scale, res_scale_vec_ptr, HIDDEN, cfg):
-        _consumer(0, a_desc, w_desc, out_desc, a_smem, w_smem, c_smem, ready, empty, turn, bias_ptr, w_scale_ptr,
-                  out_scale_ptr, res_ptr, out_ptr, vt_ptr, M, N, K, stride_rm, stride_om, stride_vt, vt_rows,
-                  a_scale, res_scale, res_scale_vec_ptr, HIDDEN, cfg)
-
-    @gluon.jit
-    def _consumer1(a_desc, w_desc, out_desc, a_smem, w_smem, c_smem, ready, empty, turn, bias_ptr, w_scale_ptr,
-                   out_scale_ptr, res_ptr, out_ptr, vt_ptr, M, N, K, stride_rm, stride_om, stride_vt, vt_rows,
-                   a_scale, res_scale, res_scale_vec_ptr, HIDDEN, cfg):
-        _consumer(1, a_desc, w_desc, out_desc, a_smem, w_smem, c_smem, ready, empty, turn, bias_ptr, w_scale_ptr,
-                  out_scale_ptr, res_ptr, out_ptr, vt_ptr, M, N, K, stride_rm, stride_om, stride_vt, vt_rows,
-                  a_scale, res_scale, res_scale_vec_ptr, HIDDEN, cfg)
 
     @gluon.jit
     def _loader(a_desc, w_desc, out_desc, a_smem, w_smem, c_smem, ready, empty, turn, bias_ptr, w_scale_ptr,
@@ -296,14 +284,16 @@ if GLUON_AVAILABLE:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
-        args = (a_desc, w_desc, out_desc, a_smem, w_smem, c_smem, ready, empty, turn, bias_ptr, w_scale_ptr,
-                out_scale_ptr, res_ptr, out_ptr, vt_ptr, M, N, K, stride_rm, stride_om, stride_vt, vt_rows, a_scale,
-                res_scale, res_scale_vec_ptr, HIDDEN,
-                _Flags(EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, TMA_OUT, GROUP_M,
-                       STAGES))
+        shared = (a_desc, w_desc, out_desc, a_smem, w_smem, c_smem, ready, empty, turn, bias_ptr, w_scale_ptr,
+                  out_scale_ptr, res_ptr, out_ptr, vt_ptr, M, N, K, stride_rm, stride_om, stride_vt, vt_rows, a_scale,
+                  res_scale, res_scale_vec_ptr, HIDDEN)
+        args0 = shared + (_Flags(EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, TMA_OUT,
+                                 GROUP_M, STAGES, 0), )
+        args1 = shared + (_Flags(EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, TMA_OUT,
+                                 GROUP_M, STAGES, 1), )
         # the loader is the default partition (the kernel's 4 warps; one thread issues the copies): in Triton 3.6
         # only worker partitions carry a warp count that tensors with layouts can be built under
-        gl.warp_specialize([(_loader, args), (_consumer0, args), (_consumer1, args)], [4, 4],
+        gl.warp_specialize([(_loader, args0), (_consumer, args0), (_consumer, args1)], [4, 4],
                            [CONSUMER_REGS, CONSUMER_REGS])
 
     _GL_DTYPES = {torch.int8: gl.int8, torch.float16: gl.float16}
