@@ -505,7 +505,8 @@ def int8_gemm(
         res_mode = 1 if residual.dtype == torch.float16 else 2
     column_out_scale = out_scale is not None and out_scale.numel() > 1 and code == 1
     aligned_qkv = code == 2 and hidden % bn == 0 and (bn % head_dim == 0 or head_dim % bn == 0)
-    if (len(tile) == 9 and tile[8] and bm == 128 and bn % 16 == 0
+    # the Gluon kernel's wgmma tiles: one 128-row warpgroup tile, N in 16..256, K steps of 32-deep instructions
+    if (len(tile) == 9 and tile[8] and bm == 128 and bn % 16 == 0 and bn <= 256 and bk % 32 == 0
             and encoder_wgmma.applies(a, w, code, bool(reciprocal), gelu, bool(fast_gelu), aligned_qkv)):
         encoder_wgmma.launch(
             a, w, out, res, vt, bias, w_scale, out_scale if out_scale is not None else w_scale,
