@@ -22,7 +22,8 @@ Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_encoder.py
 Narrowing (environment): TUNE_M=1024,4096 (GEMM rows), TUNE_TILES=128x128x128x4x3,... (GEMM tiles),
 TUNE_RECIP=1 / TUNE_FAST_GELU=0,1 (epilogue options), TUNE_FC1_NOGELU=1 (FC1 without GELU, its cost),
 TUNE_ATTN=one_pass (the one-pass attention tiles), TUNE_ALIGNED=0,1 (16-aligned sequence starts),
-TUNE_ATTN_SHAPES=32x384,16x512 (attention batch x seq), TUNE_VARLEN=32x32-96,... (packed batches of random
+TUNE_ATTN_SHAPES=32x384,16x512 (attention batch x seq), TUNE_ATTN_CONFIGS=64x64x4x3,64xopx4x1
+(attention tiles; op = one pass), TUNE_VARLEN=32x32-96,... (packed batches of random
 lengths: batch x lo-hi), TUNE_PROFILE_SHAPES=32x128,... (profiled
 forwards). GEMM and attention parts time under CUDA graphs.
 """
@@ -90,6 +91,15 @@ if os.environ.get("TUNE_VARLEN"):
                     for bm, w in itertools.product((16, 32, 64, 128), (4, 8))]
     ATTN_CONFIGS += [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=3)
                      for bm, bn, w in itertools.product((32, 64, 128), (32, 64, 128), (4, 8))]
+
+# TUNE_ATTN_CONFIGS=64x64x4x3,...: exactly these two-pass tiles (block_m x block_n x warps x stages), or with
+# "op" for one_pass (block_n from the sequence): 64xopx4x1
+if os.environ.get("TUNE_ATTN_CONFIGS"):
+    ATTN_CONFIGS = []
+    for spec in os.environ["TUNE_ATTN_CONFIGS"].split(","):
+        bm, bn, w, st = spec.split("x")
+        cfg = dict(block_m=int(bm), num_warps=int(w), num_stages=int(st))
+        ATTN_CONFIGS.append(dict(cfg, one_pass=True) if bn == "op" else dict(cfg, block_n=int(bn)))
 
 
 def candidates():

@@ -285,15 +285,6 @@ def to_int8_sat(v):
 
 
 @triton.jit
-def i32_to_f32_small(x):
-    """float32(x) for int32 |x| <= 2^22, exactly, without a conversion instruction: 1.5 * 2^23 + x has x in
-    its mantissa, so adding the magic number's bits and subtracting it as a float is exact. On sm90 the
-    int -> float conversion (I2FP) issues on the quarter-rate pipe that exp2 and reciprocal also use; here
-    an integer add and a float add do the work on the full-rate pipes."""
-    return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-
-
-@triton.jit
 def to_int8_sat_nonneg(v):
     """to_int8_sat for v >= 0 (or NaN, which becomes 127): one bound to clamp, not two."""
     return (tl.minimum(v, 127.0) + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)

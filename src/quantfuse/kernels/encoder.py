@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from ._common import (INTERPRET, cdiv, describable, descriptor, exp2_approx, grid_dependency_sync, launch_kernel,
-                      i32_to_f32_small, next_pow2, pdl_launch_options, pdl_supported, persistent_grid, rcp_approx,
+                      next_pow2, pdl_launch_options, pdl_supported, persistent_grid, rcp_approx,
                       tile_coords, tma_variant, to_int8_sat, to_int8_sat_nonneg)
 from . import encoder_wgmma
 from .configs import arch_key, sm_count
@@ -98,7 +98,7 @@ ENCODER_CONFIGS = {
         # Two passes (longer sequences), from benchmarks/tune_encoder.py TUNE_ALIGNED=0,1 at 32x384 and 16x512
         # (CUDA graphs; tune_encoder_attention_aligned.json): with 16-aligned sequence starts (the padded path)
         # 64x64 / 4 warps / 3 stages, 76.5 and 64.9 us (V^T in asynchronous 16-byte copies; SDPA fp16 46.4 and
-        # 39.3). Packed sequences at any offset walk their keys from the start rounded down to 16 (`align_down`)
+        # 39.3); still first after the lean score path, 69.4 and 59.4 us (tune_encoder_attention_lean.json). Packed sequences at any offset walk their keys from the start rounded down to 16 (`align_down`)
         # and take the aligned config too (graphed packed encoder at 32x384 half-length, bench_encoder: 2839 us
         # vs 3119 with byte loads of V^T). "attention" is for V^T rows not padded to 16 columns, loaded a byte
         # at a time: 128x64 / 8 warps, 104.0 and 87.6 us (the earlier 64x32 / 4 warps: 105.8 and 91.2).
@@ -109,7 +109,8 @@ ENCODER_CONFIGS = {
         # (benchmarks/tune_encoder.py TUNE_ATTN=one_pass, CUDA graphs: 128x128 tokens 54.3 us vs 68.4 for the
         # two-pass config, 32x128 18.9 vs 22.6; at 384 and 512 keys every one-pass tile spills and loses, best
         # 153.9 vs 111.7 and 104.9 vs 97.5). With aligned starts (tune_encoder_attention_one_pass_aligned.json)
-        # the same tile stays first or within 7%: 128x128 41.7 us (SDPA fp16 42.1), 32x128 15.8 (bm 32: 15.6).
+        # the same tile stays first or within 7%: 128x128 41.7 us (SDPA fp16 42.1), 32x128 15.8 (bm 32: 15.6);
+        # after the lean score path 37.7 and 14.9 us, still first (tune_encoder_attention_lean.json).
         "attention_one_pass": [
             (128, {"block_m": 64, "num_warps": 4, "num_stages": 1}),
         ],
@@ -547,27 +548,48 @@ def int8_gemm(
 # ----------------------------------------------------------------------------------------------------
 # int8 attention: QK^T -> masked softmax (fp32) -> int8 P -> P.V -> dequant + head merge + requant
 # ----------------------------------------------------------------------------------------------------
+# A masked key's raw score gets the bits of -2^100 added in place of the conversion's magic number: it becomes a
+# float in [-1.5 * 2^100, -0.75 * 2^100], below every real raw score (|Q_q . K_q^T| <= 2^22), with no select
+# per score; times any score scale above 1e-27 its exponential is 0.
+_MASKED_KEY_BITS = tl.constexpr(-243269632)  # 0xF1800000, float32 -2^100
+_MASKED_ROW_BELOW = tl.constexpr(-1e27)      # a row max this low means the row has no unmasked key
+
+
 @triton.jit
-def _masked_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen, score_scale_log2,
-                   HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Scores of the query block against key columns n0 .. n0 + BLOCK_N - 1 counted from `kstart`, (Q_q .
-    K_q^T) times the scale (log2 units), -inf outside the sequence (columns [lead, klen)) or masked out;
-    with the key columns. |Q_q . K_q^T| <= HEAD_DIM * 2^14, so up to HEAD_DIM 256 the integer becomes a
-    float without a conversion instruction (i32_to_f32_small): with the exponential, those conversions were
-    two quarter-rate ops per score."""
+def _raw_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen,
+                HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Raw scores f = Q_q . K_q^T of the query block against key columns n0 .. n0 + BLOCK_N - 1 counted from
+    `kstart` as exact float32 integers, masked columns (outside [lead, klen), or masked out) far below every
+    real score; with the key columns. An int32 x with |x| <= 2^22 becomes float32 exactly without a conversion
+    instruction (I2FP issues on sm90's quarter-rate pipe, shared with the exponential): 1.5 * 2^23 + x has x in
+    its mantissa, so adding the magic number's bits and subtracting it as a float is exact. The mask is per
+    column, so it rides in that integer add (a per-column magic number) instead of a select per score; the
+    scale is applied later, fused with the max subtraction (one FFMA per score). Offline sm90 SASS of the
+    two-pass 64x64 tile (4 warps, 32 scores per thread and key block): 292 instructions per pass-1 iteration
+    and 339 per pass-2 iteration, from 352 and 431 with a select, a multiply and a subtraction per score (the
+    integer add even folds into the MMA: its accumulator starts at the magic numbers)."""
     d = tl.arange(0, HEAD_DIM)
     cols = n0 + tl.arange(0, BLOCK_N)
     in_k = cols < klen
     k = tl.load(k_base + (kstart + cols)[:, None] * HEAD_DIM + d[None, :], mask=in_k[:, None], other=0)
     acc = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
-    if HEAD_DIM <= 256:
-        s = i32_to_f32_small(acc) * score_scale_log2
-    else:
-        s = acc.to(tl.float32) * score_scale_log2
     valid = in_k & (cols >= lead)
     if HAS_MASK:
         valid = valid & (tl.load(key_mask_ptr + kstart + cols, mask=in_k, other=0) != 0)
-    return tl.where(valid[None, :], s, float("-inf")), cols
+    if HEAD_DIM <= 256:
+        # |Q_q . K_q^T| <= HEAD_DIM * 2^14 <= 2^22: the magic-number conversion is exact
+        magic = tl.where(valid, 0x4B400000, _MASKED_KEY_BITS)
+        f = (acc + magic[None, :]).to(tl.float32, bitcast=True) - 12582912.0
+    else:
+        f = tl.where(valid[None, :], acc.to(tl.float32), -1.2676506002282294e30)
+    return f, cols
+
+
+@triton.jit
+def _scaled_row_max(m_raw, scale):
+    """The row max times the score scale, or +inf for a row whose max is a masked key's (no unmasked key yet):
+    that row's exponentials are then 0, never overflowing (masked raw scores differ by up to 2^99)."""
+    return tl.where(m_raw > _MASKED_ROW_BELOW, m_raw * scale, float("inf"))
 
 
 @triton.jit
@@ -623,38 +645,39 @@ def _int8_attention_kernel(
         k_base = qk_ptr + k_plane + head_off
         vt_base = vt_ptr + head.to(tl.int64) * HEAD_DIM * stride_vt
 
+        # Scores stay raw (exact integers in float32) up to the exponential: exp(s - m) with s = f * c is
+        # exp2(f * c2 - m_f * c2), c2 = c * log2(e), one FFMA per score; the row max m_f is taken on raw scores.
         if ONE_PASS:
-            s, cols = _masked_scores(q, k_base, key_mask_ptr, kstart, 0, lead, klen, score_scale_log2,
-                                     HEAD_DIM, HAS_MASK, BLOCK_N)
-            m_i = tl.max(s, 1)
-            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-            e = exp2_approx(s - m_safe[:, None], INTERPRET)
+            f, cols = _raw_scores(q, k_base, key_mask_ptr, kstart, 0, lead, klen, HEAD_DIM, HAS_MASK, BLOCK_N)
+            m_scaled = _scaled_row_max(tl.max(f, 1), score_scale_log2)
+            e = exp2_approx(tl.fma(f, score_scale_log2, -m_scaled[:, None]), INTERPRET)
             p_q = to_int8_sat_nonneg(e * _p_factor(tl.sum(e, 1), inv_p_scale)[:, None])
             vt = tl.load(vt_base + d[:, None] * stride_vt + (kstart + cols)[None, :], mask=(cols < vlen)[None, :],
                          other=0)
             acc = tl.dot(p_q, tl.trans(vt), out_dtype=tl.int32)
         else:
-            # Pass 1: row max and normaliser (base-2 units: score_scale_log2 folds in log2(e)).
-            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            # Pass 1: row max (raw) and normaliser (base 2: score_scale_log2 folds in log2(e)).
+            m_raw = tl.full((BLOCK_M,), float("-inf"), tl.float32)
             l_i = tl.zeros((BLOCK_M,), tl.float32)
             for n0 in range(0, klen, BLOCK_N):
-                s, cols = _masked_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen, score_scale_log2,
-                                         HEAD_DIM, HAS_MASK, BLOCK_N)
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                l_i = l_i * exp2_approx(m_i - m_safe, INTERPRET) \
-                    + tl.sum(exp2_approx(s - m_safe[:, None], INTERPRET), 1)
-                m_i = m_new
+                f, cols = _raw_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen, HEAD_DIM, HAS_MASK, BLOCK_N)
+                m_new = tl.maximum(m_raw, tl.max(f, 1))
+                m_scaled = _scaled_row_max(m_new, score_scale_log2)
+                # the old sum is 0 while a row has seen no unmasked key (m_raw * c is then -inf or -2^100 c)
+                l_i = l_i * exp2_approx(m_raw * score_scale_log2 - m_scaled, INTERPRET) \
+                    + tl.sum(exp2_approx(tl.fma(f, score_scale_log2, -m_scaled[:, None]), INTERPRET), 1)
+                m_raw = m_new
 
-            # Pass 2: final probabilities, quantized on chip, times V.
-            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+            # Pass 2: final probabilities p = exp2(f * c2 - m_f * c2 + log2(1 / (l s_p))), the normalisation in
+            # the same FFMA (rows without an unmasked key: a bias of +inf, so p = 0), quantized on chip, times V.
             p_factor = _p_factor(l_i, inv_p_scale)
+            p_bias = tl.where(p_factor > 0.0,
+                              _scaled_row_max(m_raw, score_scale_log2) - tl.log2(tl.where(p_factor > 0.0, p_factor, 1.0)),
+                              float("inf"))
             acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.int32)
             for n0 in range(0, klen, BLOCK_N):
-                s, cols = _masked_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen, score_scale_log2,
-                                         HEAD_DIM, HAS_MASK, BLOCK_N)
-                p = exp2_approx(s - m_safe[:, None], INTERPRET) * p_factor[:, None]
-                p_q = to_int8_sat_nonneg(p)
+                f, cols = _raw_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen, HEAD_DIM, HAS_MASK, BLOCK_N)
+                p_q = to_int8_sat_nonneg(exp2_approx(tl.fma(f, score_scale_log2, -p_bias[:, None]), INTERPRET))
                 vt = tl.load(vt_base + d[:, None] * stride_vt + (kstart + cols)[None, :],
                              mask=(cols < vlen)[None, :], other=0)
                 acc = tl.dot(p_q, tl.trans(vt), acc, out_dtype=tl.int32)
