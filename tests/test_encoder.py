@@ -317,6 +317,15 @@ def test_attention_padded_with_fully_masked_rows(path):
 
 
 @pytest.mark.parametrize("path", sorted(u.ATTENTION_PATHS))
+def test_attention_wide_heads_and_fully_masked_rows(path):
+    # head_dim 512: |Q_q . K_q^T| can pass 2^22, so the scores take the conversion instruction instead of the
+    # magic number, and masked keys a plain select; sequence 1 (padded rows 5..9) has no valid key at all
+    out, ref, _, _ = u.attention_case([5, 0, 3], 1, 512, DEV, padded=True, config=u.ATTENTION_PATHS[path])
+    u.assert_int8_close(out, ref)
+    assert int(out[5:10].abs().max()) == 0 and int(out[:5].abs().max()) > 0
+
+
+@pytest.mark.parametrize("path", sorted(u.ATTENTION_PATHS))
 @pytest.mark.parametrize("lengths", [[32, 31, 0, 1], [48, 48, 17]])
 def test_attention_aligned_starts(lengths, path):
     """The padded path's promise of 16-aligned sequence starts (V^T loaded in aligned 16-byte runs): same
