@@ -73,6 +73,16 @@ def test_attention_full_size(lengths, head_dim, path):
     u.assert_int8_close(out, ref)
 
 
+@pytest.mark.parametrize("path", ["table", "two_pass", "one_pass_m64_w4"])
+def test_attention_wide_heads_full_size(path):
+    # head_dim 512 (scores past the magic-number conversion's bound) with a fully masked sequence
+    lengths = [100, 0, 37] if PATHS[path] is not None and PATHS[path].get("one_pass") else [384, 0, 100]
+    out, ref, _, _ = u.attention_case(lengths, 2, 512, DEV, padded=True, config=PATHS[path])
+    u.assert_int8_close(out, ref)
+    s = max(lengths)
+    assert int(out[s:2 * s].abs().max()) == 0
+
+
 @pytest.mark.parametrize("path", ["table", "two_pass", "two_pass_m128_w8", "one_pass_m32_w8"])
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("lengths", [[384, 100, 1, 0], [128, 77, 0, 128]])

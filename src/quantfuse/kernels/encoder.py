@@ -690,6 +690,9 @@ def _int8_attention_kernel(
 
 # one-pass score rows wider than this no longer fit the registers of any tile (they spill from 512 on sm90)
 ONE_PASS_MAX_KEYS = 512
+# shared memory the attention's K / V^T pipeline stages may take together (the query block and the compiler's
+# scratch need the rest)
+ATTENTION_STAGE_BYTES = 160 * 1024
 
 
 def _attention_config(device: torch.device, max_seqlen: int, aligned_starts: bool, aligned_vt: bool) -> dict:
@@ -742,6 +745,9 @@ def int8_attention(
     bn = max(32, next_pow2(max(max_seqlen, 1))) if one_pass else cfg["block_n"]
     align_down = (not aligned and padded_vt and cfg.get("align_down", True)
                   and (not one_pass or max_seqlen + 15 <= bn))
+    # each pipeline stage holds a K block and a V^T block: wide heads get fewer stages (head_dim 512 on the
+    # 64-key table tile asked for 256 KB of shared memory at 3 stages, past the H100's 227 KB)
+    stages = max(1, min(cfg["num_stages"], ATTENTION_STAGE_BYTES // (2 * bn * head_dim)))
     out = torch.empty((t, heads * head_dim), dtype=torch.int8, device=qk.device)
     batch = cu_seqlens.numel() - 1
     grid = (cdiv(max(max_seqlen, 1), bm), heads, batch)
@@ -754,7 +760,7 @@ def int8_attention(
         HEAD_DIM=head_dim, HAS_MASK=key_mask is not None, ONE_PASS=one_pass,
         ALIGNED=aligned, ALIGN_DOWN=align_down,
         BLOCK_M=bm, BLOCK_N=bn, PDL=pdl, INTERPRET=INTERPRET,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_options(pdl),
+        num_warps=cfg["num_warps"], num_stages=stages, **pdl_launch_options(pdl),
     )
     return out
 
