@@ -98,7 +98,8 @@ ENCODER_CONFIGS = {
         # Two passes (longer sequences), from benchmarks/tune_encoder.py TUNE_ALIGNED=0,1 at 32x384 and 16x512
         # (CUDA graphs; tune_encoder_attention_aligned.json): with 16-aligned sequence starts (the padded path)
         # 64x64 / 4 warps / 3 stages, 76.5 and 64.9 us (V^T in asynchronous 16-byte copies; SDPA fp16 46.4 and
-        # 39.3); still first after the lean score path, 69.4 and 59.4 us (tune_encoder_attention_lean.json). Packed sequences at any offset walk their keys from the start rounded down to 16 (`align_down`)
+        # 39.3); still first after the lean score path, 69.4 and 59.4 us (tune_encoder_attention_lean.json).
+        # Packed sequences at any offset walk their keys from the start rounded down to 16 (`align_down`)
         # and take the aligned config too (graphed packed encoder at 32x384 half-length, bench_encoder: 2839 us
         # vs 3119 with byte loads of V^T). "attention" is for V^T rows not padded to 16 columns, loaded a byte
         # at a time: 128x64 / 8 warps, 104.0 and 87.6 us (the earlier 64x32 / 4 warps: 105.8 and 91.2).
@@ -671,9 +672,8 @@ def _int8_attention_kernel(
             # Pass 2: final probabilities p = exp2(f * c2 - m_f * c2 + log2(1 / (l s_p))), the normalisation in
             # the same FFMA (rows without an unmasked key: a bias of +inf, so p = 0), quantized on chip, times V.
             p_factor = _p_factor(l_i, inv_p_scale)
-            p_bias = tl.where(p_factor > 0.0,
-                              _scaled_row_max(m_raw, score_scale_log2) - tl.log2(tl.where(p_factor > 0.0, p_factor, 1.0)),
-                              float("inf"))
+            log2_factor = tl.log2(tl.where(p_factor > 0.0, p_factor, 1.0))
+            p_bias = tl.where(p_factor > 0.0, _scaled_row_max(m_raw, score_scale_log2) - log2_factor, float("inf"))
             acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.int32)
             for n0 in range(0, klen, BLOCK_N):
                 f, cols = _raw_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen, HEAD_DIM, HAS_MASK, BLOCK_N)
