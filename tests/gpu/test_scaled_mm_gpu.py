@@ -253,9 +253,13 @@ needs_wgmma = pytest.mark.skipif(
     reason="Gluon wgmma kernel: sm90 + Gluon")
 
 
-def _spy_wgmma(monkeypatch):
-    spy = KernelSpy(bw._blockwise_wgmma_kernel)
-    monkeypatch.setattr(bw, "_blockwise_wgmma_kernel", spy)
+# the Gluon kernel the sm90 table's first config runs
+_DEFAULT_WGMMA = "_ws_kernel" if bw.WGMMA_CONFIGS["sm90"][0][1][0].specialized else "_blockwise_wgmma_kernel"
+
+
+def _spy_wgmma(monkeypatch, name=_DEFAULT_WGMMA):
+    spy = KernelSpy(getattr(bw, name))
+    monkeypatch.setattr(bw, name, spy)
     return spy
 
 
@@ -284,16 +288,63 @@ def test_blockwise_wgmma_default(monkeypatch, m, k, n, transposed_scales):
 
 @needs_wgmma
 @pytest.mark.parametrize("cfg", [bw.WgmmaConfig(128, 128, 8, 4), bw.WgmmaConfig(128, 64, 8, 5), bw.WgmmaConfig(64, 128, 4, 5),
-                                 bw.WgmmaConfig(128, 128, 8, 3, 1)], ids=str)
+                                 bw.WgmmaConfig(128, 128, 8, 3, 1), bw.WgmmaConfig(128, 128, 8, 4, 8, 1),
+                                 bw.WgmmaConfig(128, 64, 8, 5, 1, 1)], ids=str)
 # 2048x2176: 272 tiles (more than one wave), 9 K steps each (odd)
 @pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (16, 1280, 130), (700, 3424, 1000), (2048, 1152, 2176)])
 def test_blockwise_wgmma_configs(monkeypatch, cfg, m, k, n):
-    spy = _spy_wgmma(monkeypatch)
+    spy = _spy_wgmma(monkeypatch, "_ws_kernel" if cfg.specialized else "_blockwise_wgmma_kernel")
     a, b, sa, sb = _block_operands(m, k, n, True)
     got = kmm.scaled_mm_blockwise(a, b, sa, sb, torch.float32, None, cfg)
     assert len(spy.calls) == 1
     want = ref.scaled_mm_blockwise(a, b, sa, sb, torch.float32, None)
     assert float((got - want).abs().mean() / want.abs().mean()) < 1e-3
+
+
+WS = bw.WgmmaConfig(128, 128, 8, 4, 8, 1)
+
+
+# the warp-specialized kernel's scale paths: scale_a through the copy engine with the operands (transposed layout,
+# 16-byte aligned; scale_b in any layout, stored by the loader) or both from global memory; M off the tile, a K
+# tail, several tiles per program
+@needs_wgmma
+@pytest.mark.parametrize("sa_layout,sb_layout,smem", [("t", "kmajor", True), ("t", "rows", True), ("rows", "rows", False),
+                                                       ("t", "odd", True)])
+@pytest.mark.parametrize("m,k,n", [(520, 4000, 1000), (4100, 1024, 8192), (523, 640, 384)])
+def test_blockwise_ws_scale_paths(monkeypatch, sa_layout, sb_layout, smem, m, k, n):
+    spy = _spy_wgmma(monkeypatch, "_ws_kernel")
+    a, b, sa, sb = _block_operands(m, k, n, sa_layout == "t")
+    if sb_layout == "kmajor":
+        sb = sb.t().contiguous().t()
+    elif sb_layout == "odd":  # rows of nb + 1 floats
+        sb = torch.empty(sb.shape[0], sb.shape[1] + 1, device="cuda")[:, :sb.shape[1]].copy_(sb)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    got = kmm.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias, WS)
+    # 523 rows: the transposed scale_a's rows are 2092 bytes, not a multiple of 16
+    assert [c["SCALE_SMEM"] for c in spy.calls] == [smem and m % 4 == 0]
+    want = ref.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
+    assert float((got - want).abs().mean() / want.abs().mean()) < 1e-3
+    # the same rounding as the pointer-loaded kernel: the two agree to the tensor cores' accumulation order
+    old = kmm.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias, bw.WgmmaConfig(128, 128, 8, 4))
+    assert float((got - old).abs().mean() / want.abs().mean()) < 1e-5
+
+
+@needs_wgmma
+@pytest.mark.parametrize("transposed", [False, True])
+def test_blockwise_ws_nonfinite_and_zero_rows(transposed):
+    m, k, n = 384, 1024, 512
+    a, b, sa, sb = _block_operands(m, k, n, transposed)
+    a[7] = 0
+    sa[9, 3] = float("nan")
+    sa[11, 0] = float("inf")
+    got = kmm.scaled_mm_blockwise(a, b, sa, sb, torch.float32, None, WS)
+    want = ref.scaled_mm_blockwise(a, b, sa, sb, torch.float32, None)
+    assert bool((got[7] == 0).all())
+    assert bool(torch.isnan(got[9]).all())
+    assert torch.equal(torch.isfinite(got[11]), torch.isfinite(want[11]))
+    keep = torch.ones(m, dtype=torch.bool, device="cuda")
+    keep[[9, 11]] = False
+    assert float((got[keep] - want[keep]).abs().mean() / want[keep].abs().mean()) < 1e-3
 
 
 @needs_wgmma
@@ -317,10 +368,10 @@ def test_blockwise_wgmma_nonfinite_and_zero_rows():
 
 @needs_wgmma
 def test_blockwise_wgmma_unaligned_falls_back(monkeypatch):
-    spy = _spy_wgmma(monkeypatch)
+    spies = [_spy_wgmma(monkeypatch, name) for name in ("_ws_kernel", "_blockwise_wgmma_kernel")]
     a, b, sa, sb = _block_operands(512, 3420, 256, False)  # 3420-byte rows: not describable
     got = qf.scaled_mm_blockwise(a, b, sa, sb, torch.float32)
-    assert spy.calls == []
+    assert [spy.calls for spy in spies] == [[], []]
     want = ref.scaled_mm_blockwise(a, b, sa, sb, torch.float32)
     assert float((got - want).abs().mean() / want.abs().mean()) < 1e-3
     with pytest.raises(ValueError, match="config"):

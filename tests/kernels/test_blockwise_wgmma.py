@@ -41,8 +41,9 @@ def test_table_shape():
             assert bw.SCALE_BLOCK % cfg.block_n == 0 and cfg.block_m >= 16 * cfg.num_warps
 
 
-def _compile_sm90(cfg: bw.WgmmaConfig):
-    """The kernel built for sm90 by this Triton (Triton internals: GluonASTSource, mangle_type, GPUTarget)."""
+def _compile_sm90(cfg: bw.WgmmaConfig, scale_smem: bool = True):
+    """The kernel `cfg` selects, built for sm90 by this Triton (Triton internals: GluonASTSource, mangle_type,
+    GPUTarget); scale_smem: the warp-specialized kernel's shared-memory scale path."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -50,29 +51,40 @@ def _compile_sm90(cfg: bw.WgmmaConfig):
 
     a, b, sa, sb = _operands()
     out = torch.empty(a.shape[0], b.shape[1], dtype=torch.bfloat16)
-    args = dict(a_desc=bw._descriptor(a, [cfg.block_m, bw.SCALE_BLOCK]),
-                b_desc=bw._descriptor(b.t(), [cfg.block_n, bw.SCALE_BLOCK]),
+    a_desc = bw._descriptor(a, [cfg.block_m, bw.SCALE_BLOCK])
+    args = dict(a_desc=a_desc, b_desc=bw._descriptor(b.t(), [cfg.block_n, bw.SCALE_BLOCK]),
                 out_ptr=out, scale_a_ptr=sa, scale_b_ptr=sb, bias_ptr=out)
     consts = dict(HAS_BIAS=True, GROUP_M=cfg.group_m, STAGES=cfg.stages, SCALE_BLOCK=bw.SCALE_BLOCK,
                   num_warps=cfg.num_warps)
-    fn = bw._blockwise_wgmma_kernel
+    fn, options = bw._blockwise_wgmma_kernel, dict(num_warps=cfg.num_warps)
+    if cfg.specialized:
+        sa_t = sa.t().contiguous()  # the transposed layout: [K/128, M], rows of 512 floats
+        args["sa_desc"] = bw._scale_descriptor(sa_t, [1, cfg.block_m]) if scale_smem else a_desc
+        consts.update(SCALE_SMEM=scale_smem, CONSUMER_REGS=bw.WS_CONSUMER_REGS, num_warps=4)
+        fn, options = bw._ws_kernel, dict(num_warps=4, maxnreg=bw.WS_MAXNREG)
     names = fn.arg_names
     sig = {n: "constexpr" if n in consts else (mangle_type(args[n]) if n in args else "i32") for n in names}
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs={})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+# the pointer-loaded kernel, and the warp-specialized one with either scale path (the table's first config)
 @pytest.mark.skipif(not bw.GLUON_AVAILABLE, reason="this Triton has no Gluon")
-def test_sm90_build_keeps_wgmma_asynchronous(tmp_path):
+@pytest.mark.parametrize("cfg,scale_smem", [(bw.WgmmaConfig(128, 128, 8, 4), True),
+                                            (bw.WgmmaConfig(128, 128, 8, 4, 8, 1), True),
+                                            (bw.WgmmaConfig(128, 128, 8, 4, 8, 1), False)], ids=str)
+def test_sm90_build_keeps_wgmma_asynchronous(tmp_path, cfg, scale_smem):
     """A regression guard on the point of the kernel: ptxas serializes every wgmma (waits for each right after
     issuing it) when non-wgmma code touches registers a wgmma is still writing; the fast build issues each
     K step's four wgmma back to back as one group and retires groups at depth 1."""
     import triton
 
+    if cfg.specialized and bw._aggregate is None:
+        pytest.skip("this Triton has no aggregates: the warp-specialized kernel is off")
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         pytest.skip("this Triton wheel bundles no cuobjdump")
-    kernel = _compile_sm90(bw.WGMMA_CONFIGS["sm90"][0][1][0])
+    kernel = _compile_sm90(cfg, scale_smem)
     path = str(tmp_path / "blockwise_wgmma.cubin")
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])

@@ -16,6 +16,14 @@ Pipeline: STAGES shared-memory slots filled by the copy engine (tensor descripto
 K), one mbarrier per slot. Slot s is refilled with step t-1+STAGES once step t-1's wgmma has retired, behind
 a CTA barrier (both warpgroups read the weight tile). Scales are read one step ahead of their use.
 
+The warp-specialized variant (`_ws_kernel`, the sm90 default; WgmmaConfig.specialized): the same consumer loop
+in two 64-row warpgroups, persistent over the tiles, fed by a loader warpgroup through ready / empty mbarrier
+pairs (so neither consumer waits on the other, and the next tile's operands load during the epilogue). With
+scale_a in the transposed layout the loader also brings each step's activation scales into the slot (copy
+engine) and stores the step's weight-block scale beside them: the consumers read both from shared memory. A
+global load still in flight when a wgmma is issued holds that wgmma back, which is what the scale loads of the
+pointer path cost (probe on the H100, scales replaced by constants: 4-13% faster).
+
 Numerics: every partial starts at zero (use_acc=False) and covers one 128-deep group, so the tensor core's
 reduced-precision accumulation spans 128 products only, as in the `tl` kernel's variant 0/2; then
 acc += (sa * sb) * partial in float32 (one scale product per row, one FMA per element: the same rounding as
@@ -27,7 +35,7 @@ scale per step. Anything else, and the Triton interpreter (Gluon has none), runs
 the executable twin tested on the CPU.
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: _WsFlags' field annotations must stay types for Triton's aggregate
 
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -36,14 +44,24 @@ import torch
 
 from ._common import INTERPRET, cdiv, launch_kernel
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
-from .configs import arch_key
+from .configs import arch_key, sm_count
 from .scaled_mm import _BIG, BLOCKWISE_SCALE_BLOCK as SCALE_BLOCK, tma_applies
 
+_aggregate = None
 if GLUON_AVAILABLE:
     from ._gluon import TensorDescriptor as GluonTensorDescriptor
     from ._gluon import cta_barrier as _cta_barrier
     from ._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
     from ._gluon import tma_load as _tma_load
+    try:
+        from triton.language.core import _aggregate
+    except ImportError:  # a Triton without it: only the warp-specialized kernel is off
+        pass
+
+# the warp-specialized kernel's register split (setmaxnreg): each consumer warpgroup holds acc + two partials
+# (3 x 64 float32 per thread) and its scales; the loader warpgroup keeps what 12 warps x MAXNREG leaves (40)
+WS_CONSUMER_REGS = 232
+WS_MAXNREG = 168
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,9 @@ class WgmmaConfig:
     num_warps: int
     stages: int
     group_m: int = 8
+    # 1: the warp-specialized persistent kernel (_ws_kernel: a loader warpgroup, two consumer warpgroups of 64
+    # rows each, so block_m = 128 and num_warps = 8 count the consumers); 0: _blockwise_wgmma_kernel
+    specialized: int = 0
 
 
 # Per architecture, (max_m, candidates); the first candidate runs, the rest are what the tuner sweeps by
@@ -62,8 +83,14 @@ class WgmmaConfig:
 # tune_blockwise_wgmma.json; the six Llama-3 (K, N) at M = 1024 and 4096, CUDA graphs, bf16 out + bias): 128x128
 # 4 stages 0.70-0.91x our rowwise fp8 (840-966 TFLOPS); 3 or 5 stages and group 16 within the run's noise
 # (+-5%), 128x64 0.42-0.55x, 64x128 (4 warps) 0.47-0.61x in the first sweep.
+# The warp-specialized persistent kernel (specialized=1; same tile, a loader warpgroup ahead of the two consumers,
+# activation scales in the slot ring) in one run with the kernel above (tune_blockwise_ws_smem.json, same twelve
+# shapes): 877-1091 TFLOPS against 877-1028, 0.73-0.86x rowwise against 0.70-0.79x; ahead on 10 of 12 shapes
+# (behind at 1024x4096x28672, 940 vs 959, and level at 4096x14336x4096). 3 stages lose 10-15%
+# (tune_blockwise_ws.json); 5 stages do not fit beside the epilogue's layout-conversion scratch.
 WGMMA_CONFIGS: Dict[str, List[Tuple[int, List[WgmmaConfig]]]] = {
-    "sm90": [(_BIG, [WgmmaConfig(128, 128, 8, 4), WgmmaConfig(128, 128, 8, 3), WgmmaConfig(64, 128, 4, 5)])],
+    "sm90": [(_BIG, [WgmmaConfig(128, 128, 8, 4, 8, 1), WgmmaConfig(128, 128, 8, 4), WgmmaConfig(128, 128, 8, 4, 16, 1),
+                     WgmmaConfig(128, 128, 8, 3)])],
 }
 
 # Up to 256 rows the `tl` kernel keeps its measured decode / split-K tiles (scaled_mm.BLOCKWISE_CONFIGS); this
@@ -232,9 +259,240 @@ if GLUON_AVAILABLE:
         gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(orows < M)[:, None] & col_ok[None, :])
 
 
+if GLUON_AVAILABLE and _aggregate is not None:
+
+    # scale boxes: one row of float32, unswizzled (a 512-byte row is wider than any swizzle span)
+    _SCALE_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+    @_aggregate
+    class _WsFlags:
+        """The warp-specialized kernel's constexprs in one aggregate: Triton 3.6's warp_specialize turns plain
+        int / bool arguments of a partition into runtime values."""
+        HAS_BIAS: gl.constexpr
+        GROUP_M: gl.constexpr
+        STAGES: gl.constexpr
+        SCALE_BLOCK: gl.constexpr
+        CONSUMER: gl.constexpr  # which 64-row half of the tile a consumer partition owns (the loader ignores it)
+        SCALE_SMEM: gl.constexpr  # scales ride with the operands in the slot ring (see _ws_kernel)
+
+        @gluon.constexpr_function
+        def __init__(self, HAS_BIAS, GROUP_M, STAGES, SCALE_BLOCK, CONSUMER, SCALE_SMEM):
+            self.SCALE_SMEM = gl.constexpr(SCALE_SMEM)
+            self.HAS_BIAS = gl.constexpr(HAS_BIAS)
+            self.GROUP_M = gl.constexpr(GROUP_M)
+            self.STAGES = gl.constexpr(STAGES)
+            self.SCALE_BLOCK = gl.constexpr(SCALE_BLOCK)
+            self.CONSUMER = gl.constexpr(CONSUMER)
+
+    @gluon.jit
+    def _tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+        """Grouped order (GROUP_M row tiles walk one column band of the weight, kept in L2): _common.tile_coords
+        for Gluon, which cannot call a `tl` function."""
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_pid_n
+        first_m = (tile // width) * GROUP_M
+        size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+        return first_m + (tile % width) % size_m, (tile % width) // size_m
+
+    @gluon.jit
+    def _ws_loader(a_desc, b_desc, sa_desc, a_smem, b_smem, sa_smem, sb_smem, ready, empty, out_ptr,
+                   scale_a_ptr, scale_b_ptr, bias_ptr, M, N, K, stride_om, stride_sam, stride_sak, stride_sbk,
+                   stride_sbn, cfg):
+        """Every K step of every tile of this program, in order, into the slot ring (zero fill past M, N, K)."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        STAGES: gl.constexpr = cfg.STAGES
+        SB_WIDTH: gl.constexpr = sb_smem.shape[2]
+        sb_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        c = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, cfg.GROUP_M)
+            for ks in range(k_steps):
+                slot = c % STAGES
+                # slots start free: waiting on the opposite parity of a fresh barrier returns at once
+                mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)
+                if cfg.SCALE_SMEM:
+                    mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes
+                                    + sa_desc.block_type.nbytes)
+                    _tma_load(sa_desc, [ks, pid_m * BLOCK_M], ready.index(slot), sa_smem.index(slot))
+                else:
+                    mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                _tma_load(a_desc, [pid_m * BLOCK_M, ks * BLOCK_K], ready.index(slot), a_smem.index(slot))
+                _tma_load(b_desc, [pid_n * BLOCK_N, ks * BLOCK_K], ready.index(slot), b_smem.index(slot))
+                if cfg.SCALE_SMEM:
+                    # the weight block's scale, one float, stored by this partition (the copy engine faulted on
+                    # it: an illegal instruction on the H100 with every box tried) and released by the second
+                    # arrival the slot's ready barrier counts; the barrier first, so every store precedes it
+                    sb = gl.load(scale_b_ptr + ks * stride_sbk + (pid_n * BLOCK_N // cfg.SCALE_BLOCK) * stride_sbn)
+                    sb_smem.index(slot).reshape([SB_WIDTH]).store(gl.full([SB_WIDTH], sb, gl.float32, sb_layout))
+                    _cta_barrier()
+                    mbarrier.arrive(ready.index(slot), count=1)
+                c += 1
+
+    @gluon.jit
+    def _ws_issue(a_smem, b_smem, ready, c, STAGES: gl.constexpr, CONSUMER: gl.constexpr, part):
+        """Step c's wgmma over this consumer's 64 rows, left in flight, writing over `part` (use_acc=False)."""
+        HALF: gl.constexpr = a_smem.shape[1] // 2
+        slot = c % STAGES
+        mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+        return warpgroup_mma(a_smem.index(slot).slice(CONSUMER * HALF, HALF), b_smem.index(slot).permute((1, 0)),
+                             part, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _ws_scale(sa_smem, sb_smem, c, sa_ptrs, row_ok, sb_ptr, step, stride_sak, stride_sbk, cfg,
+                  row_layout: gl.constexpr):
+        """sa[rows, step] * sb[step, tile's weight block] for this consumer's rows (rows past M: 0): from the
+        slot's shared-memory copies when the scales came with the operands, else from global memory (see the
+        module doc for why)."""
+        if cfg.SCALE_SMEM:
+            BLOCK_M: gl.constexpr = sa_smem.shape[2]
+            HALF: gl.constexpr = BLOCK_M // 2
+            slot = c % cfg.STAGES
+            sa = sa_smem.index(slot).reshape([BLOCK_M]).slice(cfg.CONSUMER * HALF, HALF).load(row_layout)
+            # the slot's scale_b row holds one copy per consumer row (no reduction: gl.max is a `tl` function,
+            # which Gluon cannot call under the interpreter)
+            return sa * sb_smem.index(slot).reshape([HALF]).load(row_layout)
+        else:
+            return _step_scale(sa_ptrs, row_ok, sb_ptr, step, stride_sak, stride_sbk)
+
+    @gluon.jit
+    def _ws_consumer(a_desc, b_desc, sa_desc, a_smem, b_smem, sa_smem, sb_smem, ready, empty, out_ptr,
+                     scale_a_ptr, scale_b_ptr, bias_ptr, M, N, K, stride_om, stride_sam, stride_sak, stride_sbk,
+                     stride_sbn, cfg):
+        """Rows CONSUMER * 64 .. + 64 of each of this program's tiles: _blockwise_wgmma_kernel's lagged
+        promotion (two partial tiles, one wgmma group in flight while the previous partial is scaled in), with
+        each slot handed back to the loader (empty barrier, one arrival per consumer) as soon as the wgmma that
+        read it has retired, and the epilogue overlapping the loader's fill of the next tile."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        HALF: gl.constexpr = BLOCK_M // 2
+        STAGES: gl.constexpr = cfg.STAGES
+        CONSUMER: gl.constexpr = cfg.CONSUMER
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        out_layout: gl.constexpr = _store_layout(BLOCK_N, out_ptr.dtype.element_ty.primitive_bitwidth, 4)
+        num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        zero = gl.zeros([HALF, BLOCK_N], gl.float32, mma_layout)
+        c = 0  # this program's running K step (the loader's count)
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, cfg.GROUP_M)
+            rows = pid_m * BLOCK_M + CONSUMER * HALF + gl.arange(0, HALF, layout=row_layout)
+            row_ok = rows < M
+            sa_ptrs = scale_a_ptr + rows.to(gl.int64) * stride_sam
+            sb_ptr = scale_b_ptr + (pid_n * BLOCK_N // cfg.SCALE_BLOCK) * stride_sbn
+            acc = gl.zeros([HALF, BLOCK_N], gl.float32, mma_layout)
+            part0 = zero
+            tile1 = warpgroup_mma_init(zero)  # "step -1": nothing in flight, promoted with scale 0
+            scale1 = gl.zeros([HALF], gl.float32, row_layout)
+            for pair in range(0, k_steps // 2):
+                t = 2 * pair
+                tile0 = _ws_issue(a_smem, b_smem, ready, c + t, STAGES, CONSUMER, part0)
+                scale0 = _ws_scale(sa_smem, sb_smem, c + t, sa_ptrs, row_ok, sb_ptr, t, stride_sak, stride_sbk, cfg,
+                                   row_layout)
+                part1 = warpgroup_mma_wait(num_outstanding=1, deps=(tile1, ))
+                mbarrier.arrive(empty.index((c + t + STAGES - 1) % STAGES), count=1, pred=t > 0)
+                acc = _promote(acc, scale1, part1)
+
+                tile1 = _ws_issue(a_smem, b_smem, ready, c + t + 1, STAGES, CONSUMER, part1)
+                scale1 = _ws_scale(sa_smem, sb_smem, c + t + 1, sa_ptrs, row_ok, sb_ptr, t + 1, stride_sak, stride_sbk,
+                                   cfg, row_layout)
+                part0 = warpgroup_mma_wait(num_outstanding=1, deps=(tile0, ))
+                mbarrier.arrive(empty.index((c + t) % STAGES), count=1)
+                acc = _promote(acc, scale0, part0)
+            if k_steps % 2 == 1:
+                t = k_steps - 1
+                tile0 = _ws_issue(a_smem, b_smem, ready, c + t, STAGES, CONSUMER, part0)
+                scale0 = _ws_scale(sa_smem, sb_smem, c + t, sa_ptrs, row_ok, sb_ptr, t, stride_sak, stride_sbk, cfg,
+                                   row_layout)
+                part1 = warpgroup_mma_wait(num_outstanding=1, deps=(tile1, ))
+                mbarrier.arrive(empty.index((c + t + STAGES - 1) % STAGES), count=1, pred=t > 0)
+                acc += scale1[:, None] * part1
+                part0 = warpgroup_mma_wait(num_outstanding=0, deps=(tile0, ))
+                mbarrier.arrive(empty.index((c + t) % STAGES), count=1)
+                acc += scale0[:, None] * part0
+            else:
+                part1 = warpgroup_mma_wait(num_outstanding=0, deps=(tile1, ))
+                mbarrier.arrive(empty.index((c + k_steps - 1) % STAGES), count=1)
+                acc += scale1[:, None] * part1
+            c += k_steps
+
+            out = gl.convert_layout(acc, out_layout)
+            orows = pid_m * BLOCK_M + CONSUMER * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
+            ocols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+            col_ok = ocols < N
+            if cfg.HAS_BIAS:
+                out += gl.load(bias_ptr + ocols, mask=col_ok, other=0.0).to(gl.float32)[None, :]
+            o_ptrs = out_ptr + orows.to(gl.int64)[:, None] * stride_om + ocols[None, :]
+            gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(orows < M)[:, None] & col_ok[None, :])
+
+    @gluon.jit
+    def _ws_kernel(
+        a_desc, b_desc, sa_desc, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+        M, N, K,
+        stride_om, stride_sam, stride_sak, stride_sbk, stride_sbn,
+        HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SCALE_BLOCK: gl.constexpr,
+        SCALE_SMEM: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """Persistent and warp-specialized (one program per SM, tiles in grouped order): the default partition
+        (num_warps = 4; one thread issues the copies) keeps STAGES slots of A [128, 128] and B^T [BLOCK_N, 128]
+        full through a ready / empty mbarrier pair per slot, across tile boundaries; two consumer warpgroups
+        take the two 64-row halves of every tile. Same math and rounding as _blockwise_wgmma_kernel."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        gl.static_assert(BLOCK_K == SCALE_BLOCK, "one activation scale per row per K step")
+        gl.static_assert(SCALE_BLOCK % BLOCK_N == 0, "one weight-block scale per tile per K step")
+        gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 rows")
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        # the slot's scale_b: BLOCK_M // 2 copies of one float, one per row of a consumer's half
+        sb_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M // 2], _SCALE_SMEM_LAYOUT)
+        if SCALE_SMEM:
+            sa_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], sa_desc.layout)
+        else:  # unused: a token buffer, since partitions take one signature
+            sa_smem = gl.allocate_shared_memory(gl.float32, [1, 1, 4], _SCALE_SMEM_LAYOUT)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            # the copies' expected bytes, and with the scales in the ring the loader's scale_b store
+            mbarrier.init(ready.index(s), count=2 if SCALE_SMEM else 1)
+            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+        shared = (a_desc, b_desc, sa_desc, a_smem, b_smem, sa_smem, sb_smem, ready, empty, out_ptr,
+                  scale_a_ptr, scale_b_ptr, bias_ptr, M, N, K, stride_om, stride_sam, stride_sak, stride_sbk,
+                  stride_sbn)
+        args0 = shared + (_WsFlags(HAS_BIAS, GROUP_M, STAGES, SCALE_BLOCK, 0, SCALE_SMEM), )
+        args1 = shared + (_WsFlags(HAS_BIAS, GROUP_M, STAGES, SCALE_BLOCK, 1, SCALE_SMEM), )
+        gl.warp_specialize([(_ws_loader, args0), (_ws_consumer, args0), (_ws_consumer, args1)], [4, 4],
+                           [CONSUMER_REGS, CONSUMER_REGS])
+
+
 def _descriptor(t: torch.Tensor, block: List[int]):
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
     return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _box_rows(t: torch.Tensor) -> bool:
+    """A 2-D float32 view the copy engine can read in [1, n] boxes: unit inner stride, 16-byte aligned base
+    and row stride."""
+    return (t.dtype == torch.float32 and t.stride(1) == 1 and t.stride(0) >= t.shape[1]
+            and (t.stride(0) * 4) % 16 == 0 and t.data_ptr() % 16 == 0)
+
+
+def _scale_a_view(scale_a: torch.Tensor) -> Optional[torch.Tensor]:
+    """scale_a^T [K/128, M] when the copy engine can bring each K step's activation scales with the operands: the
+    transposed layout of SPEC section 3 (a K step's scales contiguous over the rows), 16-byte aligned."""
+    return scale_a.t() if _box_rows(scale_a.t()) else None
+
+
+def _scale_descriptor(t: torch.Tensor, block: List[int]):
+    return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), block, _SCALE_SMEM_LAYOUT)
 
 
 def scaled_mm_blockwise_wgmma(
@@ -252,10 +510,26 @@ def scaled_mm_blockwise_wgmma(
     cfg = config or pick_config(m, n, a2d.device)
     if SCALE_BLOCK % cfg.block_n or cfg.block_m < 16 * cfg.num_warps:
         raise ValueError(f"config: block_n must divide {SCALE_BLOCK} and block_m >= 16 * num_warps, got {cfg}")
+    if cfg.specialized and (cfg.block_m != 128 or cfg.num_warps != 8 or _aggregate is None):
+        raise ValueError(f"config: the warp-specialized kernel takes block_m 128 and num_warps 8 (two consumer "
+                         f"warpgroups) on a Triton with aggregates, got {cfg}")
     out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
     a_desc = _descriptor(a2d, [cfg.block_m, SCALE_BLOCK])
     b_desc = _descriptor(b.t(), [cfg.block_n, SCALE_BLOCK])
-    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    if cfg.specialized:
+        sa_view = _scale_a_view(scale_a)
+        sa_desc = _scale_descriptor(sa_view, [1, cfg.block_m]) if sa_view is not None else a_desc
+        launch_kernel(_ws_kernel, (min(tiles, sm_count(a2d.device)),),
+            a_desc, b_desc, sa_desc, out, scale_a, scale_b, bias if bias is not None else out,
+            m, n, k,
+            out.stride(0), scale_a.stride(0), scale_a.stride(1), scale_b.stride(0), scale_b.stride(1),
+            HAS_BIAS=bias is not None, GROUP_M=cfg.group_m, STAGES=cfg.stages, SCALE_BLOCK=SCALE_BLOCK,
+            SCALE_SMEM=sa_view is not None, CONSUMER_REGS=WS_CONSUMER_REGS, num_warps=4,
+            maxnreg=WS_MAXNREG,
+        )
+        return out
+    grid = (tiles,)
     launch_kernel(_blockwise_wgmma_kernel, grid,
         a_desc, b_desc, out, scale_a, scale_b, bias if bias is not None else out,
         m, n, k,
