@@ -5,6 +5,7 @@ caller can never reach it, and its sm90 build. Its numerics are tested on the GP
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -68,6 +69,29 @@ def _compile_sm90(cfg: bw.WgmmaConfig, scale_smem: bool = True):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+# Built in a fresh process without the interpreter: the Triton interpreter can leave triton.language patched
+# after a test that ran `tl` code in this process (tests/test_encoder.py first made this build fail with
+# "'block_argument' object has no attribute 'dtype'" in tl.cdiv whenever the kernel missed Triton's disk cache).
+_BUILD = """
+import sys
+from quantfuse.kernels import blockwise_wgmma as bw
+from tests.kernels.test_blockwise_wgmma import _compile_sm90
+cfg = bw.WgmmaConfig(*map(int, sys.argv[1].split(",")))
+with open(sys.argv[3], "wb") as f:
+    f.write(_compile_sm90(cfg, sys.argv[2] == "1").asm["cubin"])
+"""
+
+
+def _build_cubin(cfg: bw.WgmmaConfig, scale_smem: bool, path: str) -> None:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    fields = ",".join(str(int(v)) for v in (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.group_m,
+                                             cfg.specialized))
+    done = subprocess.run([sys.executable, "-c", _BUILD, fields, "1" if scale_smem else "0", path], cwd=root, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, f"sm90 build of {cfg} failed:\n{done.stderr[-3000:]}"
+
+
 # the pointer-loaded kernel, and the warp-specialized one with either scale path (the table's first config)
 @pytest.mark.skipif(not bw.GLUON_AVAILABLE, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("cfg,scale_smem", [(bw.WgmmaConfig(128, 128, 8, 4), True),
@@ -84,10 +108,8 @@ def test_sm90_build_keeps_wgmma_asynchronous(tmp_path, cfg, scale_smem):
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         pytest.skip("this Triton wheel bundles no cuobjdump")
-    kernel = _compile_sm90(cfg, scale_smem)
     path = str(tmp_path / "blockwise_wgmma.cubin")
-    with open(path, "wb") as f:
-        f.write(kernel.asm["cubin"])
+    _build_cubin(cfg, scale_smem, path)
     sass = subprocess.check_output([cuobjdump, "-sass", path], text=True)
     mma = re.findall(r"\bQGMMA\.[^;]*", sass)
     committed = [m for m in mma if "gsb0" in m]

@@ -128,6 +128,17 @@ if GLUON_AVAILABLE:
         return gl.BlockedLayout([1, vec], [32 // cols, cols], [num_warps, 1], [1, 0])
 
     @gluon.jit
+    def _tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+        """Grouped order (GROUP_M row tiles walk one column band of the weight, kept in L2): _common.tile_coords
+        for Gluon, which cannot call a `tl` function."""
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_pid_n
+        first_m = (tile // width) * GROUP_M
+        size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+        return first_m + (tile % width) % size_m, (tile % width) // size_m
+
+    @gluon.jit
     def _refill(a_desc, b_desc, a_smem, b_smem, ready, step, k_steps, off_m, off_n, STAGES: gl.constexpr, valid):
         """Step `step`'s A and B tiles into slot step % STAGES (nothing past the last step, nor when not
         `valid`). The CTA barrier first: the slot's previous wgmma has retired in this warpgroup, and must have
@@ -167,16 +178,7 @@ if GLUON_AVAILABLE:
         gl.static_assert(BLOCK_K == SCALE_BLOCK, "one activation scale per row per K step")
         gl.static_assert(SCALE_BLOCK % BLOCK_N == 0, "one weight-block scale per tile per K step")
 
-        # grouped tile order: GROUP_M row tiles walk one column band of the weight (kept in L2); _common's
-        # tile_coords written out, since under TRITON_INTERPRET it is an interpreter object Gluon cannot call
-        pid = gl.program_id(0)
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        width = GROUP_M * num_pid_n
-        first_m = (pid // width) * GROUP_M
-        size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % size_m
-        pid_n = (pid % width) // size_m
+        pid_m, pid_n = _tile_coords(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
 
@@ -283,17 +285,6 @@ if GLUON_AVAILABLE and _aggregate is not None:
             self.STAGES = gl.constexpr(STAGES)
             self.SCALE_BLOCK = gl.constexpr(SCALE_BLOCK)
             self.CONSUMER = gl.constexpr(CONSUMER)
-
-    @gluon.jit
-    def _tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-        """Grouped order (GROUP_M row tiles walk one column band of the weight, kept in L2): _common.tile_coords
-        for Gluon, which cannot call a `tl` function."""
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        width = GROUP_M * num_pid_n
-        first_m = (tile // width) * GROUP_M
-        size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-        return first_m + (tile % width) % size_m, (tile % width) // size_m
 
     @gluon.jit
     def _ws_loader(a_desc, b_desc, sa_desc, a_smem, b_smem, sa_smem, sb_smem, ready, empty, out_ptr,

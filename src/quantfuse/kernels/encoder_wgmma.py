@@ -94,7 +94,7 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
         """Grouped order: GROUP_M row tiles walk one column band of W (kept in L2). _common.tile_coords written
-        for Gluon, which cannot call a `tl` function (blockwise_wgmma inlines the same lines)."""
+        for Gluon, which cannot call a `tl` function (blockwise_wgmma keeps its own copy)."""
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
         width = GROUP_M * num_pid_n
