@@ -24,10 +24,27 @@ try:
 except Exception:  # noqa: BLE001 - any import-time failure means "no Gluon"
     GLUON_AVAILABLE = False
 
-__all__ = ["GLUON_AVAILABLE", "sm90_exactly"]
+# The warp-specialized kernels' register split (setmaxnreg): a 4-warp loader partition and two 4-warp consumer
+# warpgroups under maxnreg MAXNREG (12 warps x 168 fit the 64K register file); each consumer gets
+# CONSUMER_REGS per thread for its accumulators and epilogue, the loader what is left (40).
+WS_CONSUMER_REGS = 232
+WS_MAXNREG = 168
+
+__all__ = ["GLUON_AVAILABLE", "sm90_exactly", "WS_CONSUMER_REGS", "WS_MAXNREG"]
 if GLUON_AVAILABLE:
     __all__ += ["gluon", "gl", "mbarrier", "mma_v2", "tma", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait",
-                "TensorDescriptor", "cta_barrier", "tma_load"]
+                "TensorDescriptor", "cta_barrier", "tma_load", "tile_coords"]
+
+    @gluon.jit
+    def tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+        """Grouped order (GROUP_M row tiles walk one column band of the weight, kept in L2): _common.tile_coords
+        for Gluon, which cannot call a `tl` function."""
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_pid_n
+        first_m = (tile // width) * GROUP_M
+        size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+        return first_m + (tile % width) % size_m, (tile % width) // size_m
 
 
 @lru_cache(maxsize=None)

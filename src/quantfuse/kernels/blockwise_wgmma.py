@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ._common import INTERPRET, cdiv, launch_kernel
-from ._gluon import GLUON_AVAILABLE, sm90_exactly
+from ._gluon import GLUON_AVAILABLE, WS_CONSUMER_REGS, WS_MAXNREG, sm90_exactly
 from .configs import arch_key, sm_count
 from .scaled_mm import _BIG, BLOCKWISE_SCALE_BLOCK as SCALE_BLOCK, tma_applies
 
@@ -52,16 +52,12 @@ if GLUON_AVAILABLE:
     from ._gluon import TensorDescriptor as GluonTensorDescriptor
     from ._gluon import cta_barrier as _cta_barrier
     from ._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+    from ._gluon import tile_coords as _tile_coords
     from ._gluon import tma_load as _tma_load
     try:
         from triton.language.core import _aggregate
     except ImportError:  # a Triton without it: only the warp-specialized kernel is off
         pass
-
-# the warp-specialized kernel's register split (setmaxnreg): each consumer warpgroup holds acc + two partials
-# (3 x 64 float32 per thread) and its scales; the loader warpgroup keeps what 12 warps x MAXNREG leaves (40)
-WS_CONSUMER_REGS = 232
-WS_MAXNREG = 168
 
 
 @dataclass(frozen=True)
@@ -126,17 +122,6 @@ if GLUON_AVAILABLE:
         vec = 128 // bits  # 16 bytes per thread along N
         cols = min(block_n // vec, 32)
         return gl.BlockedLayout([1, vec], [32 // cols, cols], [num_warps, 1], [1, 0])
-
-    @gluon.jit
-    def _tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-        """Grouped order (GROUP_M row tiles walk one column band of the weight, kept in L2): _common.tile_coords
-        for Gluon, which cannot call a `tl` function."""
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        width = GROUP_M * num_pid_n
-        first_m = (tile // width) * GROUP_M
-        size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-        return first_m + (tile % width) % size_m, (tile % width) // size_m
 
     @gluon.jit
     def _refill(a_desc, b_desc, a_smem, b_smem, ready, step, k_steps, off_m, off_n, STAGES: gl.constexpr, valid):

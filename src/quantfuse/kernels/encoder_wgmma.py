@@ -35,11 +35,12 @@ the twin tested on the CPU.
 import torch
 
 from ._common import INTERPRET, describable, launch_kernel
-from ._gluon import GLUON_AVAILABLE, sm90_exactly
+from ._gluon import GLUON_AVAILABLE, WS_CONSUMER_REGS, WS_MAXNREG, sm90_exactly
 
 if GLUON_AVAILABLE:
     from ._gluon import TensorDescriptor as GluonTensorDescriptor
     from ._gluon import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from ._gluon import tile_coords as _tile_coords
     from ._gluon import tma_load as _tma_load
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
     try:
@@ -47,10 +48,8 @@ if GLUON_AVAILABLE:
     except ImportError:  # a Triton without it: the kernel is off
         GLUON_AVAILABLE = False
 
-# registers per thread: each consumer warpgroup holds a 128x128 int32 accumulator (128 registers) plus its
-# epilogue; the loader warpgroup gets what is left of 12 warps x MAXNREG (the 64K register file): 40.
-CONSUMER_REGS = 232
-MAXNREG = 168
+# registers per thread (_gluon's split): each consumer warpgroup holds a 128x128 int32 accumulator (128 registers)
+# plus its epilogue
 
 
 def applies(a: torch.Tensor, w: torch.Tensor, epilogue_code: int, reciprocal: bool, gelu: bool, fast_gelu: bool,
@@ -90,19 +89,6 @@ if GLUON_AVAILABLE:
             self.GROUP_M = gl.constexpr(GROUP_M)
             self.STAGES = gl.constexpr(STAGES)
             self.CONSUMER = gl.constexpr(CONSUMER)
-
-    @gluon.jit
-    def _tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-        """Grouped order: GROUP_M row tiles walk one column band of W (kept in L2). _common.tile_coords written
-        for Gluon, which cannot call a `tl` function (blockwise_wgmma keeps its own copy)."""
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        width = GROUP_M * num_pid_n
-        first_m = (tile // width) * GROUP_M
-        size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % width) % size_m
-        pid_n = (tile % width) // size_m
-        return pid_m, pid_n
 
     @gluon.jit
     def _rcp(x):
@@ -318,4 +304,4 @@ def launch(a, w, out, res, vt, bias, w_scale, out_scale, res_scale_vec, *, m, n,
         m, n, k, stride_rm, stride_om, stride_vt, vt_rows, float(a_scale), float(res_scale), res_scale_vec, hidden,
         EPILOGUE=code, RES_MODE=res_mode, GELU=gelu, HEAD_DIM=head_dim, COLUMN_OUT_SCALE=column_out_scale,
         COLUMN_RES_SCALE=column_res_scale, TMA_OUT=tma_out, GROUP_M=8, STAGES=stages,
-        CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
+        CONSUMER_REGS=WS_CONSUMER_REGS, num_warps=4, maxnreg=WS_MAXNREG)
