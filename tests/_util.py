@@ -1,6 +1,31 @@
-"""Assertions shared by the tests."""
+"""Assertions and helpers shared by the tests."""
+
+import os
+import subprocess
+import sys
 
 import torch
+
+# Offline sm90 builds run in a fresh process without the interpreter: the Triton interpreter can leave
+# triton.language patched after a test ran `tl` code in this process (after tests/test_encoder.py a Gluon build
+# that missed Triton's disk cache failed with "'block_argument' object has no attribute 'dtype'" in tl.cdiv).
+_FRESH_BUILD = """
+import importlib, sys
+module = importlib.import_module(sys.argv[1])
+kernel = eval(sys.argv[2], vars(module))
+with open(sys.argv[3], "wb") as f:
+    f.write(kernel.asm["cubin"])
+"""
+
+
+def build_cubin_in_fresh_process(module: str, expression: str, path: str) -> None:
+    """Evaluate `expression` (a compiled kernel) in `module`'s namespace in a new Python process with
+    TRITON_INTERPRET=0 and write the kernel's cubin to `path`."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-c", _FRESH_BUILD, module, expression, path], cwd=root, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, f"sm90 build of {module}: {expression} failed:\n{done.stderr[-3000:]}"
 
 
 def codes(q: torch.Tensor) -> torch.Tensor:

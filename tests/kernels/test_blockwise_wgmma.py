@@ -5,13 +5,13 @@ caller can never reach it, and its sm90 build. Its numerics are tested on the GP
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from quantfuse.kernels import blockwise_wgmma as bw
 from quantfuse.kernels import scaled_mm as kmm
+from tests._util import build_cubin_in_fresh_process
 
 FP8 = torch.float8_e4m3fn
 
@@ -69,27 +69,11 @@ def _compile_sm90(cfg: bw.WgmmaConfig, scale_smem: bool = True):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-# Built in a fresh process without the interpreter: the Triton interpreter can leave triton.language patched
-# after a test that ran `tl` code in this process (tests/test_encoder.py first made this build fail with
-# "'block_argument' object has no attribute 'dtype'" in tl.cdiv whenever the kernel missed Triton's disk cache).
-_BUILD = """
-import sys
-from quantfuse.kernels import blockwise_wgmma as bw
-from tests.kernels.test_blockwise_wgmma import _compile_sm90
-cfg = bw.WgmmaConfig(*map(int, sys.argv[1].split(",")))
-with open(sys.argv[3], "wb") as f:
-    f.write(_compile_sm90(cfg, sys.argv[2] == "1").asm["cubin"])
-"""
-
-
 def _build_cubin(cfg: bw.WgmmaConfig, scale_smem: bool, path: str) -> None:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    fields = ",".join(str(int(v)) for v in (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.group_m,
-                                             cfg.specialized))
-    done = subprocess.run([sys.executable, "-c", _BUILD, fields, "1" if scale_smem else "0", path], cwd=root, env=env,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, f"sm90 build of {cfg} failed:\n{done.stderr[-3000:]}"
+    fields = ", ".join(str(int(v)) for v in (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.group_m,
+                                              cfg.specialized))
+    build_cubin_in_fresh_process("tests.kernels.test_blockwise_wgmma",
+                                 f"_compile_sm90(bw.WgmmaConfig({fields}), {bool(scale_smem)})", path)
 
 
 # the pointer-loaded kernel, and the warp-specialized one with either scale path (the table's first config)

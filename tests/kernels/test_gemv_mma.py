@@ -12,6 +12,7 @@ import torch
 import quantfuse as qf
 from quantfuse.kernels import gemv_mma as gm
 from quantfuse.kernels import weight_only as kw
+from tests._util import build_cubin_in_fresh_process
 
 
 def test_shipped_configs_are_valid_and_bad_ones_refused():
@@ -75,10 +76,9 @@ def test_sm90_build_converts_in_registers_without_spills(dtype, per_channel, has
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         pytest.skip("this Triton wheel bundles no cuobjdump")
-    kernel = _compile_sm90(dtype, per_channel, has_zero, mp)
     path = str(tmp_path / "gemv_mma.cubin")
-    with open(path, "wb") as f:
-        f.write(kernel.asm["cubin"])
+    build_cubin_in_fresh_process("tests.kernels.test_gemv_mma",
+                                 f"_compile_sm90({dtype!r}, {per_channel}, {has_zero}, {mp})", path)
     sass = subprocess.check_output([cuobjdump, "-sass", path], text=True)
     suffix = r"\.BF16" if dtype == "bf16" else ""  # ptxas spells the float16 one HMMA.16816.F32
     assert re.search(rf"\bHMMA\.16816\.F32{suffix}\s", sass)

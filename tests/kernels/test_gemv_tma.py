@@ -11,6 +11,7 @@ import torch
 
 import quantfuse as qf
 from quantfuse.kernels import gemv_tma as gt
+from tests._util import build_cubin_in_fresh_process
 
 
 def _qw(n=256, k=512, bits=4, group=128):
@@ -78,11 +79,10 @@ def test_sm90_build_streams_by_tma_without_spills(bits, tmp_path):
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         pytest.skip("this Triton wheel bundles no cuobjdump")
-    cfg = gt.GEMV_CONFIGS["sm90"][bits][0]
-    kernel = _compile_sm90(cfg, bits, per_channel=bits == 8)
     path = str(tmp_path / "gemv_tma.cubin")
-    with open(path, "wb") as f:
-        f.write(kernel.asm["cubin"])
+    build_cubin_in_fresh_process("tests.kernels.test_gemv_tma",
+                                 f"_compile_sm90(gt.GEMV_CONFIGS['sm90'][{bits}][0], {bits}, per_channel={bits == 8})",
+                                 path)
     sass = subprocess.check_output([cuobjdump, "-sass", path], text=True)
     assert re.search(r"\bUTMALDG\.3D\b", sass)
     assert re.search(r"\bLDS\.128\b", sass)
