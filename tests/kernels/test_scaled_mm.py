@@ -707,8 +707,13 @@ def test_large_m_table_runs_tma_persistent_first(monkeypatch):
     assert (fp8.block_n, fp8.tma, fp8.persistent) == (256, True, 1)
     fp8_partial_wave = kmm._pick_config(kmm.CONFIGS, 1024, 6144, 4096, dev, None, None)
     assert (fp8_partial_wave.block_n, fp8_partial_wave.tma, fp8_partial_wave.persistent) == (128, True, 2)
-    int8 = kmm._pick_config(kmm.CONFIGS, 4096, 8192, 28672, dev, None, None, "int8")
+    int8 = kmm._pick_config(kmm.CONFIGS, 4096, 8192, 4096, dev, None, None, "int8")
     assert (int8.block_n, int8.tma, int8.persistent) == (128, True, 2)
+    # int8 with a long K (Llama-3-70B's down projection) from 2048 rows: 128x256 / 1 program per SM
+    int8_long_k = kmm._pick_config(kmm.CONFIGS, 4096, 8192, 28672, dev, None, None, "int8")
+    assert (int8_long_k.block_n, int8_long_k.num_warps, int8_long_k.persistent) == (256, 8, 1)
+    int8_long_k_1024 = kmm._pick_config(kmm.CONFIGS, 1024, 8192, 28672, dev, None, None, "int8")
+    assert (int8_long_k_1024.block_n, int8_long_k_1024.persistent) == (128, 2)
 
 
 def test_wave_efficiency_and_int8_rows():

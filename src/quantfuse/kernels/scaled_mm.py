@@ -74,9 +74,10 @@ class MMConfig:
 
 _BIG = 1 << 62
 
-# A bucket is (max_m, configs) or (max_m, max_n, configs): the first bucket with M <= max_m (and N <= max_n)
-# gives the candidates, of which the first runs unless autotuning is opted into.
-Bucket = Union[Tuple[int, List[MMConfig]], Tuple[int, int, List[MMConfig]]]
+# A bucket is (max_m, configs), (max_m, max_n, configs) or (max_m, max_n, min_k, configs): the first bucket with
+# M <= max_m (and N <= max_n, K >= min_k) gives the candidates, of which the first runs unless autotuning is
+# opted into.
+Bucket = Union[Tuple[int, List[MMConfig]], Tuple[int, int, List[MMConfig]], Tuple[int, int, int, List[MMConfig]]]
 
 # Decode rows from benchmarks/tune_scaled_mm_decode.py on the H100 (fp8 and int8 alike, CUDA graphs, weights
 # rotated past L2), pointer loads: at M = 1 a 64-wide tile, at M = 16 a 32-wide one (4096x6144: 13.6 us vs
@@ -118,6 +119,10 @@ _SM90_SMALL_M: List[Bucket] = [
 #   first sweep had them behind (4096 rows: 1424 vs 1346 us), a second one with the order reversed
 #   (tune_scaled_mm_tma_fp8_ab.json) ahead (1387 vs 1463; the same pointer tile timed twice in that run:
 #   1463 and 1463, but 519 and 605 at 4096x8192x10240): within this machine's run-to-run spread.
+_SM90_INT8_LARGE_M = [MMConfig(128, 128, 128, 4, 3, tma=True, persistent=2), MMConfig(128, 128, 128, 4, 3),
+                      MMConfig(128, 256, 128, 8, 3)]
+# int8 from 2048 rows with K >= 16384: 128x256 / 8 warps / 1 program per SM leads (tune_scaled_mm_tma.json,
+# 4096x28672x8192: 1470 us vs 1621 for the 128x128 / 2-per-SM row; at 1024 rows it lost, 379 vs 351).
 CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": _SM90_SMALL_M + [
         (_BIG, [MMConfig(128, 256, 128, 8, 3, 16, tma=True, persistent=1),
@@ -126,8 +131,9 @@ CONFIGS: Dict[str, List[Bucket]] = {
     ],
     # int8 operands: the same small-M rows, their own large-M tile (consulted when the table has this key)
     "sm90_int8": _SM90_SMALL_M + [
-        (_BIG, [MMConfig(128, 128, 128, 4, 3, tma=True, persistent=2), MMConfig(128, 128, 128, 4, 3),
-                MMConfig(128, 256, 128, 8, 3)]),
+        (2047, _SM90_INT8_LARGE_M),
+        (_BIG, _BIG, 16384, [MMConfig(128, 256, 128, 8, 3, tma=True, persistent=1)] + _SM90_INT8_LARGE_M),
+        (_BIG, _SM90_INT8_LARGE_M),
     ],
     "default": [
         (16, [MMConfig(16, 64, 128, 4, 3)]),
@@ -204,10 +210,11 @@ SPLIT_K_MAX_M = 256
 _INTERPRET_CONFIG = MMConfig(16, 32, 32, 4, 1, group_m=2)
 
 
-def _bucket(table: List[Bucket], m: int, n: int) -> List[MMConfig]:
+def _bucket(table: List[Bucket], m: int, n: int, k: int = 0) -> List[MMConfig]:
     for entry in table:
-        max_m, max_n, configs = entry if len(entry) == 3 else (entry[0], _BIG, entry[1])
-        if m <= max_m and n <= max_n:
+        max_m, max_n, min_k, configs = ((entry[0], _BIG, 0, entry[1]) if len(entry) == 2 else
+                                        (entry[0], entry[1], 0, entry[2]) if len(entry) == 3 else entry)
+        if m <= max_m and n <= max_n and k >= min_k:
             return configs
     return table[-1][-1]
 
@@ -563,7 +570,7 @@ def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple
     fallback is a tile nobody measured for that shape."""
     if device.type != "cuda":
         return _INTERPRET_CONFIG
-    candidates = _bucket(_table_rows(table, device, flavor), m, n)
+    candidates = _bucket(_table_rows(table, device, flavor), m, n, k)
     if not tma_ok:
         candidates = [c for c in candidates if not c.tma] or candidates
     if not _autotune_enabled() or len(candidates) == 1:
