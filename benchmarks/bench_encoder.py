@@ -21,6 +21,9 @@ graphs for anyone, full-length sequences with an all-ones attention_mask unless 
   once per batch outside the graph, as an engine's scheduler would, gather / packed layers / scatter inside;
   packing_graph_speedup = padded / packed graphed. mode2_graph_no_pdl_us: mode 2 graphed with the kernels in
   plain stream order, same run (= mode2_graph_us where the table's `pdl_max_tokens` leaves PDL off anyway).
+  mode2_graph_no_ln_pdl_us / packed_graph_no_ln_pdl_us: the same with the LayerNorms behind the residual GEMMs
+  also in stream order (the table's `pdl_layernorm_max_tokens` set to 0); *_no_attn_pdl_us: the attention behind
+  the QKV GEMM likewise (`pdl_attention_max_tokens`).
 
 Whole run: meant to stay under 150 s on one H100 (the torch.compile of each shape dominates; if the compiles
 would exceed COMPILE_BUDGET_S (80 s), the remaining shapes get compile_us = null and the peer is
@@ -55,7 +58,9 @@ COMPILE_BUDGET_S = 80.0
 COLUMNS = ["batch", "seq", "tokens", "hf_us", "compile_us", "mode1_us", "mode2_us", "speedup_mode1",
            "speedup_mode2", "packed_us", "padded_us", "packing_speedup", "hf_graph_us", "compile_graph_us",
            "mode1_graph_us", "mode2_graph_us", "graph_speedup_mode1", "graph_speedup_mode2", "packed_graph_us",
-           "padded_graph_us", "packing_graph_speedup", "mode2_graph_no_pdl_us"]
+           "padded_graph_us", "packing_graph_speedup", "mode2_graph_no_pdl_us",
+           "mode2_graph_no_ln_pdl_us", "packed_graph_no_ln_pdl_us", "mode2_graph_no_attn_pdl_us",
+           "packed_graph_no_attn_pdl_us"]
 
 
 def build_model(cfg_kwargs, device, dtype):
@@ -193,6 +198,19 @@ def main(argv=None) -> None:
             m2_nopdl_g = graphed(enc_fn(encoders[2], False), sets) if batch * seq <= pdl_was else m2_g
         finally:
             table["pdl_max_tokens"] = pdl_was
+        # ablations: the LayerNorms behind the residual GEMMs, or the attention behind the QKV GEMM, in plain
+        # stream order too (the table's pdl_layernorm_max_tokens / pdl_attention_max_tokens set to 0)
+        ablated = {}
+        for consumer in ("layernorm", "attention"):
+            key = f"pdl_{consumer}_max_tokens"
+            was = table.get(key, 0)
+            table[key] = 0
+            try:
+                on = batch * seq <= was  # (the packed batch has fewer tokens: timed again whenever was > 0)
+                ablated[consumer] = (graphed(enc_fn(encoders[2], False), sets) if on else m2_g,
+                                     graphed(packed_fn, packs) if was else packed_g)
+            finally:
+                table[key] = was
 
         rows.append({
             "batch": batch, "seq": seq, "tokens": batch * seq,
@@ -209,6 +227,10 @@ def main(argv=None) -> None:
             "packed_graph_us": _us(packed_g), "padded_graph_us": _us(padded_g),
             "packing_graph_speedup": _ratio(padded_g, packed_g) if packed_g and padded_g else None,
             "mode2_graph_no_pdl_us": _us(m2_nopdl_g),
+            "mode2_graph_no_ln_pdl_us": _us(ablated["layernorm"][0]),
+            "packed_graph_no_ln_pdl_us": _us(ablated["layernorm"][1]),
+            "mode2_graph_no_attn_pdl_us": _us(ablated["attention"][0]),
+            "packed_graph_no_attn_pdl_us": _us(ablated["attention"][1]),
         })
         print(rows[-1], f"({time.perf_counter() - t_start:.0f} s)", flush=True)
 

@@ -152,6 +152,21 @@ def test_pdl_for_small_token_counts_and_never_interpreted(monkeypatch):
     limit = ke.ENCODER_CONFIGS["sm90"]["pdl_max_tokens"]
     cpu = torch.device("cpu")
     assert ke._pdl(cpu, 1) and ke._pdl(cpu, limit) and not ke._pdl(cpu, limit + 1) and not ke._pdl(cpu, 0)
+    # past it, the LayerNorm behind a residual GEMM still launches early, and that GEMM (launched in stream
+    # order) emits the grid dependency instructions that let it
+    assert ke._pdl_behind_gemm(cpu, limit + 1, "layernorm") and not ke._pdl_behind_gemm(cpu, 0, "layernorm")
+    assert not ke._pdl_behind_gemm(cpu, limit + 1, "")
+    monkeypatch.setattr(ke, "INTERPRET", False)
+    monkeypatch.setattr(ke, "pdl_launch_options", lambda on: {"launch_pdl": True} if on else {})
+    launches = []
+    monkeypatch.setattr(ke, "launch_kernel", lambda fn, grid, *a, **kw: launches.append((fn, kw)))
+    m = limit + 1
+    ke.int8_gemm(u.int8(m, 32), u.int8(32, 32), 0.02, torch.rand(32), torch.rand(32), "residual",
+                 residual=torch.rand(m, 32).half(), config=(32, 32, 32, 4, 2))
+    ke.layernorm_quant(torch.rand(m, 32).half(), torch.rand(32), torch.rand(32), 1e-12, 0.03, False)
+    (gemm, gemm_kw), (ln, ln_kw) = launches
+    assert gemm is ke._int8_gemm_kernel and gemm_kw["PDL"] is True and "launch_pdl" not in gemm_kw
+    assert ln is ke._layernorm_quant_kernel and ln_kw["PDL"] is True and ln_kw.get("launch_pdl") is True
 
 
 def test_gemm_tma_falls_back_on_unaligned_rows(monkeypatch):
