@@ -96,7 +96,6 @@ def main():
                        torch.randn(b, s, INTER, device="cuda", dtype=torch.bfloat16)) for _ in range(4)]
         times = {}
         for name, layer in layers.items():
-            lin = {}
             mods = dict(layer.named_modules())
             if all(n in mods for n in LINEARS) and all(hasattr(mods[n], "forward") for n in LINEARS):
                 lin_t = time_ms(lambda x, xi, _m=mods: [_m[n](xi if n.endswith("down_proj") else x) for n in LINEARS],

@@ -189,7 +189,8 @@ def main():
               f"{fmt('x_vs_torch_blockwise')}x torch blockwise", flush=True)
 
     columns = ["M", "K", "N", "int8_ms", "int8_TOPS", "int8_frac_peak", "int_mm_epi_ms", "x_vs_int_mm_epi",
-               "bf16_linear_ms", "x_vs_bf16_linear", "azp_ms", "azp_sym_ms", "azp_overhead", "fp8_ms", "fp8_TOPS", "fp8_frac_peak",
+               "bf16_linear_ms", "x_vs_bf16_linear", "azp_ms", "azp_sym_ms", "azp_overhead", "fp8_ms", "fp8_TOPS",
+               "fp8_frac_peak",
                "scaled_mm_ms", "x_vs_scaled_mm", "blockwise_ms", "blockwise_vs_rowwise", "torch_blockwise_ms",
                "x_vs_torch_blockwise", "int8_weight_GBs_frac_copy", "int_mm_alone_ms", "int_mm_alone_TOPS"]
     tuned = {str(k): str(v) for k, v in kmm._tuned.items()}

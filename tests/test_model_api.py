@@ -11,7 +11,6 @@ import quantfuse as qf
 from quantfuse import modules as qm
 from quantfuse.checkpoint import load_quantized, save_quantized
 from quantfuse.quantize_api import (
-    CONFIGS,
     Fp8BlockConfig,
     Fp8DynamicConfig,
     Int4WeightOnlyConfig,

@@ -112,8 +112,7 @@ def reference_int8_gemm(a, w, a_scale, w_scale, bias, epilogue, *, out_scale=Non
             v = 0.5 * v * (1.0 + torch.erf(v * 0.7071067811865476))
         return _quant(v, out_scale.float() if out_scale.numel() > 1 else out_scale.reshape(()).float())
     q = _quant(v, out_scale.float())
-    m, n = q.shape
-    hidden = n // 3
+    m = q.shape[0]
     qkv = q.view(m, 3, heads, head_dim)
     qk = qkv[:, :2].permute(1, 2, 0, 3).contiguous()
     vt_stride = vt_stride or m

@@ -122,7 +122,6 @@ def pack_codes(u: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(words: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     """Inverse of `pack_codes`: biased codes [N, K] int32."""
     n = words.shape[0]
-    per = 32 // bits
     f = _fields(words.view(n, -1, WORDS_PER_CHUNK), bits, 1)  # [N, chunks, per, 16]
     return f.reshape(n, -1)[:, :k]
 

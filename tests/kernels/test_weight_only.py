@@ -450,7 +450,7 @@ def test_from_compressed_tensors_bit_exact(bits, symmetric):
 def test_loader_scale_dtype():
     """Loaders widen scales to float32 by default (exact); scale_dtype=None keeps the checkpoint's dtype
     (float16 GPTQ scales: the packed path for float16 activations), a 16-bit dtype only if exact."""
-    k, n, gs = 256, 16, 128
+    k, n = 256, 16
     q = torch.randint(0, 16, (n, k), dtype=torch.int32)
     z = torch.randint(0, 16, (2, n), dtype=torch.int32)
     s = (torch.rand(2, n) * 0.1 + 0.01).half()

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 import torch
 import triton
@@ -48,6 +48,9 @@ import triton.language as tl
 from ._common import (INTERPRET, cast_to, cdiv, describable, describable_transposed, descriptor, launch_kernel,
                       persistent_grid, remember_plan, tile_coords, tma_variant)
 from .configs import arch_key, sm_count
+
+if TYPE_CHECKING:  # imported lazily at run time (blockwise_wgmma imports this module)
+    from .blockwise_wgmma import WgmmaConfig
 
 
 # ----------------------------------------------------------------------------------------------------
