@@ -37,7 +37,7 @@ def main():
     names = ksm._scaled_mm_kernel.arg_names
     consts = dict(IS_FP8=False, SPLIT_K=1, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8,
                   SCALE_A_PER_ROW=True, SCALE_B_PER_COL=True, HAS_BIAS=False, AZP_MODE=0, TMA=False, PERSISTENT=False,
-                  INTERPRET=False)
+                  PDL=False, INTERPRET=False)
     missing = [a for a in names if a not in args and a not in consts]
     rows = {}
     if missing:

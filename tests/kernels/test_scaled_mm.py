@@ -276,6 +276,27 @@ def test_tma_and_persistent_variants(tma, persistent, split_k, m, n, k, dtype, e
         assert torch.equal(exact, int64_result(a, b, corr).to(torch.float32))
 
 
+
+def test_split_k_reduce_launches_early_where_the_table_says(monkeypatch):
+    # sm90: the rowwise split-K kernel signals its dependents at its start and the reduce kernel is launched with
+    # programmatic dependent launch; elsewhere (and under the interpreter) neither
+    launches = []
+    real = kmm.launch_kernel
+    monkeypatch.setattr(kmm, "launch_kernel", lambda fn, grid, *a, **kw: (launches.append((fn, kw)),
+                                                                           real(fn, grid, *a, **kw)))
+    a, b = rand_q((3, 256), INT8), make_b(256, 40, INT8, "t")
+    cfg = kmm.MMConfig(16, 32, 32, 4, 1, group_m=2, split_k=3)
+    kmm.scaled_mm(a, b, torch.ones(1), torch.ones(1), torch.float32, None, None, None, config=cfg)
+    (mm, mm_kw), (red, red_kw) = launches
+    assert mm is kmm._scaled_mm_kernel and red is kmm._split_k_reduce_kernel
+    assert mm_kw["PDL"] is False and red_kw["PDL"] is False and "launch_pdl" not in red_kw
+    assert kmm._reduce_pdl(torch.device("cpu")) is False
+    monkeypatch.setattr(kmm, "arch_key", lambda *args: "sm90")
+    monkeypatch.setattr(kmm, "pdl_supported", lambda: True)
+    assert kmm._reduce_pdl(torch.device("cpu")) is True
+    monkeypatch.setattr(kmm, "arch_key", lambda *args: "default")
+    assert kmm._reduce_pdl(torch.device("cpu")) is False
+
 def test_tma_needs_k_major_aligned_operands(monkeypatch):
     # row-major b [K, N] (N-contiguous), a row stride or a base address off 16 bytes: pointer loads, and the
     # table's TMA candidates are skipped for them

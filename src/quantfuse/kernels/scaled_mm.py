@@ -45,8 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, cast_to, cdiv, describable, describable_transposed, descriptor, launch_kernel,
-                      persistent_grid, remember_plan, tile_coords, tma_variant)
+from ._common import (INTERPRET, cast_to, cdiv, describable, describable_transposed, descriptor, grid_dependency_sync,
+                      launch_kernel, pdl_launch_options, pdl_supported, persistent_grid, remember_plan, tile_coords,
+                      tma_variant)
 from .configs import arch_key, sm_count
 
 if TYPE_CHECKING:  # imported lazily at run time (blockwise_wgmma imports this module)
@@ -208,6 +209,8 @@ BLOCKWISE_SCALE_BLOCK = 128
 
 # Split-K is for weight streaming at decode-like M only.
 SPLIT_K_MAX_M = 256
+# The rowwise split-K reduce kernel launched early behind its producer, per architecture (see _reduce_pdl).
+SPLIT_K_REDUCE_PDL = {"sm90": True}
 
 # Under the interpreter every program is a Python loop: small tiles keep the CPU tests fast.
 _INTERPRET_CONFIG = MMConfig(16, 32, 32, 4, 1, group_m=2)
@@ -401,10 +404,12 @@ def _scaled_mm_kernel(
     IS_FP8: tl.constexpr, SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_COL: tl.constexpr,
     HAS_BIAS: tl.constexpr, AZP_MODE: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA: tl.constexpr, PERSISTENT: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """A program per output tile (and K split), or (PERSISTENT, no split) a few programs per SM striding
-    over the tiles in one flattened loop, the next tile's loads issued under this tile's epilogue."""
+    over the tiles in one flattened loop, the next tile's loads issued under this tile's epilogue.
+    PDL (split-K): signal at once that the reduce kernel, launched early, may take the SMs this grid frees."""
+    grid_dependency_sync(PDL)
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
@@ -425,9 +430,11 @@ def _split_k_reduce_kernel(
     M, N, stride_om,
     SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_COL: tl.constexpr, HAS_BIAS: tl.constexpr,
     AZP_MODE: tl.constexpr, APPLY_SCALES: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Sum the SPLIT_K partials (int32 sums stay exact) and apply the epilogue once."""
+    """Sum the SPLIT_K partials (int32 sums stay exact) and apply the epilogue once. PDL: launched early behind
+    the split-K kernel; waits for its partials before the first load."""
+    grid_dependency_sync(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
@@ -675,11 +682,12 @@ def scaled_mm(
             a2d.stride(0), a2d.stride(1), b.stride(0), b.stride(1), out.stride(0),
             IS_FP8=is_fp8, SPLIT_K=split, EVEN_K=even_k,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            TMA=use_tma, PERSISTENT=bool(persistent),
+            TMA=use_tma, PERSISTENT=bool(persistent), PDL=split > 1 and _reduce_pdl(a2d.device),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
         if split > 1:
-            _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, True, common)
+            _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, True, common,
+                           _reduce_pdl(a2d.device))
         return out
 
     if config is None:
@@ -696,7 +704,13 @@ def scaled_mm(
     return launch(config)
 
 
-def _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, apply_scales, common):
+def _reduce_pdl(device: torch.device) -> bool:
+    """Launch the split-K reduce kernel early (programmatic dependent launch) behind the rowwise kernel, which
+    signals it at its start: where SPLIT_K_REDUCE_PDL says so for this architecture and Triton has it."""
+    return SPLIT_K_REDUCE_PDL.get(arch_key(device.type, device.index), False) and pdl_supported()
+
+
+def _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, apply_scales, common, pdl=False):
     m, n = out.shape
     block_m, block_n = (16, 32) if INTERPRET else (16, 256)
     grid = (cdiv(m, block_m), cdiv(n, block_n))
@@ -706,7 +720,8 @@ def _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, 
         azp_adj if azp_adj is not None else dummy,
         azp if azp is not None else dummy,
         m, n, out.stride(0),
-        APPLY_SCALES=apply_scales, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, **common,
+        APPLY_SCALES=apply_scales, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, PDL=pdl, num_warps=4, **common,
+        **pdl_launch_options(pdl),
     )
 
 
