@@ -43,7 +43,7 @@ def test_prefer_rule():
     assert not kw.prefer_gemv_mma(17, 28672, 4096)
 
 
-def _compile_sm90(dtype="bf16", per_channel=False, has_zero=False, mp=8, cfg=None):
+def _compile_sm90(dtype="bf16", per_channel=False, has_zero=False, mp=8, cfg=None, signal=False):
     """The kernel built for sm90 by this Triton, with the launcher's divisibility specializations (Triton
     internals: GluonASTSource, GPUTarget)."""
     import triton
@@ -54,7 +54,7 @@ def _compile_sm90(dtype="bf16", per_channel=False, has_zero=False, mp=8, cfg=Non
     fn = gm._wo_mma_decode_kernel
     names = fn.arg_names
     consts = dict(HAS_ZERO=has_zero, HAS_BIAS=True, SPLIT=True, FUSED_REDUCE=True, PER_CHANNEL=per_channel,
-                  EVEN_K=True, BLOCK_N=cfg.block_n, MP=mp, num_warps=cfg.num_warps)
+                  EVEN_K=True, BLOCK_N=cfg.block_n, MP=mp, num_warps=cfg.num_warps, SIGNAL=signal)
     ptrs = dict(x_ptr="*" + dtype, w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", bias_ptr="*" + dtype,
                 out_ptr="*" + dtype, part_ptr="*fp32", count_ptr="*i32")
     sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in names}

@@ -547,3 +547,23 @@ def test_bad_arguments():
     ]:
         with pytest.raises(ValueError, match=match):
             build()
+
+
+def test_splitk_reduce_launches_early_where_the_table_says(monkeypatch):
+    # sm90 with grid dependency control: the reduce kernel behind gemv_mma's split-K products is launched early
+    # and waits for the partials; elsewhere, and under the interpreter, it runs in stream order
+    from quantfuse.kernels import weight_only as kw
+
+    assert kw.reduce_pdl(torch.device("cpu")) is False
+    monkeypatch.setattr(kw, "arch_key", lambda *args: "sm90")
+    monkeypatch.setattr(kw, "pdl_supported", lambda: True)
+    assert kw.reduce_pdl(torch.device("cpu")) is True
+    monkeypatch.setattr(kw, "arch_key", lambda *args: "default")
+    assert kw.reduce_pdl(torch.device("cpu")) is False
+    spy = KernelSpy(kw._splitk_reduce_kernel)
+    monkeypatch.setattr(kw, "_splitk_reduce_kernel", spy)
+    part, bias = torch.randn(3, 2, 40), torch.randn(40)
+    out = torch.empty(2, 40)
+    kw.splitk_reduce(part, bias, out)
+    assert spy.calls[-1]["PDL"] is False and "launch_pdl" not in spy.calls[-1]
+    torch.testing.assert_close(out, part.sum(0) + bias)

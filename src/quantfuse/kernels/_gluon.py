@@ -33,7 +33,7 @@ WS_MAXNREG = 168
 __all__ = ["GLUON_AVAILABLE", "sm90_exactly", "WS_CONSUMER_REGS", "WS_MAXNREG"]
 if GLUON_AVAILABLE:
     __all__ += ["gluon", "gl", "mbarrier", "mma_v2", "tma", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait",
-                "TensorDescriptor", "cta_barrier", "tma_load", "tile_coords"]
+                "TensorDescriptor", "cta_barrier", "tma_load", "tile_coords", "signal_dependents"]
 
     @gluon.jit
     def tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
@@ -45,6 +45,14 @@ if GLUON_AVAILABLE:
         first_m = (tile // width) * GROUP_M
         size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
         return first_m + (tile % width) % size_m, (tile % width) // size_m
+
+    @gluon.jit
+    def signal_dependents():
+        """Programmatic dependent launch: let the next kernel in the stream, launched with launch_pdl, be
+        scheduled now (it waits for this grid's results itself); _common.grid_dependency_sync's second half,
+        for Gluon, which cannot call a `tl` function."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
 
 @lru_cache(maxsize=None)

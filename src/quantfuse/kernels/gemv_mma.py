@@ -47,7 +47,7 @@ from .configs import arch_key
 
 if GLUON_AVAILABLE:
     from ._gluon import cta_barrier as _cta_barrier
-    from ._gluon import gl, gluon, mma_v2
+    from ._gluon import gl, gluon, mma_v2, signal_dependents
 
 CHUNK = 128  # int4 codes per chunk of 16 words
 WORDS_PER_CHUNK = 16
@@ -255,8 +255,10 @@ if GLUON_AVAILABLE:
         M, N, K, stride_xm, stride_wn, stride_om, chunks_per_split, splits, group_chunk_shift,
         HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, FUSED_REDUCE: gl.constexpr,
         PER_CHANNEL: gl.constexpr, EVEN_K: gl.constexpr, BLOCK_N: gl.constexpr, MP: gl.constexpr,
-        num_warps: gl.constexpr,
+        num_warps: gl.constexpr, SIGNAL: gl.constexpr = False,
     ):
+        if SIGNAL:  # the split-K reduce kernel behind this one is launched early (weight_only.reduce_pdl)
+            signal_dependents()
         mma: gl.constexpr = _mma_layout(num_warps)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -341,7 +343,7 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     """out [M, N] = x2d @ W.T (+ bias) for int4 codes; the caller checked `applies` and validated the arguments.
     counters: a zeroed int32 slot per row block for the fused split-K reduction (None, or a config without
     fused_reduce: a second kernel reduces)."""
-    from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
+    from .weight_only import reduce_pdl, splitk_reduce  # here, not at the top: weight_only imports this module
 
     cfg = config or pick_config(x2d.shape[0], x2d.device)
     check_config(cfg)
@@ -362,13 +364,14 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     has_bias = bias is not None
     # groups of whole chunks, a power of two of them (validated); per channel: one group
     group_chunk_shift = 0 if per_channel else (group_size // CHUNK).bit_length() - 1
+    pdl = split and not fused and reduce_pdl(x2d.device)
     launch_kernel(_wo_mma_decode_kernel, (grid_n, splits),
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales, out, part,
         counters if fused else scales, m, n, k, x2d.stride(0), qweight.stride(0), out.stride(0), chunks_per_split,
         splits, group_chunk_shift,
         HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, SPLIT=split, FUSED_REDUCE=fused, PER_CHANNEL=per_channel,
-        EVEN_K=k % CHUNK == 0, BLOCK_N=cfg.block_n, MP=8 if m <= 8 else 16, num_warps=cfg.num_warps,
+        EVEN_K=k % CHUNK == 0, BLOCK_N=cfg.block_n, MP=8 if m <= 8 else 16, num_warps=cfg.num_warps, SIGNAL=pdl,
     )
     if split and not fused:
-        splitk_reduce(part.view(splits, -1, n), bias, out)
+        splitk_reduce(part.view(splits, -1, n), bias, out, pdl=pdl)
     return out

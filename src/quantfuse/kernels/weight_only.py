@@ -73,10 +73,13 @@ import triton
 import triton.language as tl
 
 from . import gemv_mma, gemv_tma
-from ._common import INTERPRET, cast_to, cdiv, launch_kernel, next_pow2
+from ._common import (INTERPRET, cast_to, cdiv, grid_dependency_sync, launch_kernel, next_pow2, pdl_launch_options,
+                      pdl_supported)
 from .configs import arch_key, sm_count
 
 WORDS_PER_CHUNK = 16
+# The split-K reduce kernel launched early behind a producer that signals it (gemv_mma), per architecture.
+REDUCE_PDL = {"sm90": True}
 
 
 def codes_per_word(bits: int) -> int:
@@ -762,9 +765,11 @@ def _wo_gemv_kernel(
 @triton.jit
 def _splitk_reduce_kernel(
     part_ptr, bias_ptr, out_ptr, M, N, splits, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """out = sum over splits of the float32 partials (+ bias), one rounding to the output dtype."""
+    """out = sum over splits of the float32 partials (+ bias), one rounding to the output dtype. PDL: launched
+    early behind the split-K kernel; waits for its partials before the first load."""
+    grid_dependency_sync(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -777,14 +782,22 @@ def _splitk_reduce_kernel(
     tl.store(out_ptr + m * stride_om + n, cast_to(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
-def splitk_reduce(part: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+def reduce_pdl(device: torch.device) -> bool:
+    """Launch `splitk_reduce` early (programmatic dependent launch) behind a producer that signals it at its
+    start: where REDUCE_PDL says so for this architecture and Triton has it."""
+    return REDUCE_PDL.get(arch_key(device.type, device.index), False) and pdl_supported()
+
+
+def splitk_reduce(part: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, pdl: bool = False) -> None:
     """out [M, N] = the sum of the float32 split-K partials part [splits, M, N] (+ bias), rounded once: the
-    second kernel of the split-K products that have no counter slot for the fused reduction."""
+    second kernel of the split-K products that have no counter slot for the fused reduction. pdl: launched
+    early behind a producer that signals its dependents (`reduce_pdl`)."""
     splits, m, n = part.shape
     block = 1024
     launch_kernel(_splitk_reduce_kernel, (cdiv(m * n, block),),
         part, bias if bias is not None else part, out, m, n, splits, out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK=block, INTERPRET=INTERPRET, num_warps=4,
+        HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl, INTERPRET=INTERPRET, num_warps=4,
+        **pdl_launch_options(pdl),
     )
 
 
