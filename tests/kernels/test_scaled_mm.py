@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import quantfuse as qf
 from quantfuse import reference as ref
 from quantfuse.kernels import scaled_mm as kmm
-from tests._util import KernelSpy
+from tests._util import KernelSpy, assert_sm90_pdl_rule
 
 INT8, FP8 = torch.int8, torch.float8_e4m3fn
 OUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -290,12 +290,8 @@ def test_split_k_reduce_launches_early_where_the_table_says(monkeypatch):
     (mm, mm_kw), (red, red_kw) = launches
     assert mm is kmm._scaled_mm_kernel and red is kmm._split_k_reduce_kernel
     assert mm_kw["PDL"] is False and red_kw["PDL"] is False and "launch_pdl" not in red_kw
-    assert kmm._reduce_pdl(torch.device("cpu")) is False
-    monkeypatch.setattr(kmm, "arch_key", lambda *args: "sm90")
-    monkeypatch.setattr(kmm, "pdl_supported", lambda: True)
-    assert kmm._reduce_pdl(torch.device("cpu")) is True
-    monkeypatch.setattr(kmm, "arch_key", lambda *args: "default")
-    assert kmm._reduce_pdl(torch.device("cpu")) is False
+    assert_sm90_pdl_rule(monkeypatch, kmm, kmm._reduce_pdl)
+
 
 def test_tma_needs_k_major_aligned_operands(monkeypatch):
     # row-major b [K, N] (N-contiguous), a row stride or a base address off 16 bytes: pointer loads, and the

@@ -9,7 +9,7 @@ from quantfuse import ops
 from quantfuse import reference as ref
 from quantfuse.kernels import weight_only as kw
 from quantfuse.weights import QuantizedWeight, pack_codes, unpack_codes
-from tests._util import KernelSpy
+from tests._util import KernelSpy, assert_sm90_pdl_rule
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -554,12 +554,7 @@ def test_splitk_reduce_launches_early_where_the_table_says(monkeypatch):
     # and waits for the partials; elsewhere, and under the interpreter, it runs in stream order
     from quantfuse.kernels import weight_only as kw
 
-    assert kw.reduce_pdl(torch.device("cpu")) is False
-    monkeypatch.setattr(kw, "arch_key", lambda *args: "sm90")
-    monkeypatch.setattr(kw, "pdl_supported", lambda: True)
-    assert kw.reduce_pdl(torch.device("cpu")) is True
-    monkeypatch.setattr(kw, "arch_key", lambda *args: "default")
-    assert kw.reduce_pdl(torch.device("cpu")) is False
+    assert_sm90_pdl_rule(monkeypatch, kw, kw.reduce_pdl)
     spy = KernelSpy(kw._splitk_reduce_kernel)
     monkeypatch.setattr(kw, "_splitk_reduce_kernel", spy)
     part, bias = torch.randn(3, 2, 40), torch.randn(40)
