@@ -28,18 +28,6 @@ def build_cubin_in_fresh_process(module: str, expression: str, path: str) -> Non
     assert done.returncode == 0, f"sm90 build of {module}: {expression} failed:\n{done.stderr[-3000:]}"
 
 
-def assert_sm90_pdl_rule(monkeypatch, module, rule) -> None:
-    """A programmatic-dependent-launch rule `rule(device)` of `module`: False on the CPU as is, True once the
-    module sees an sm90 device with grid dependency control, False for another architecture."""
-    cpu = torch.device("cpu")
-    assert rule(cpu) is False
-    monkeypatch.setattr(module, "arch_key", lambda *args: "sm90")
-    monkeypatch.setattr(module, "pdl_supported", lambda: True)
-    assert rule(cpu) is True
-    monkeypatch.setattr(module, "arch_key", lambda *args: "default")
-    assert rule(cpu) is False
-
-
 def codes(q: torch.Tensor) -> torch.Tensor:
     """Integer view of int8 / fp8 codes, for exact comparisons (fp8 NaN != NaN otherwise). fp8 -0 (0x80)
     reads as +0: the same value, and a product rounding to zero may carry either sign (hardware and

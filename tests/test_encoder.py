@@ -154,8 +154,10 @@ def test_pdl_for_small_token_counts_and_never_interpreted(monkeypatch):
     assert ke._pdl(cpu, 1) and ke._pdl(cpu, limit) and not ke._pdl(cpu, limit + 1) and not ke._pdl(cpu, 0)
     # past it, the LayerNorm behind a residual GEMM still launches early, and that GEMM (launched in stream
     # order) emits the grid dependency instructions that let it
-    assert ke._pdl_behind_gemm(cpu, limit + 1, "layernorm") and not ke._pdl_behind_gemm(cpu, 0, "layernorm")
-    assert not ke._pdl_behind_gemm(cpu, limit + 1, "")
+    assert ke._pdl(cpu, limit + 1, "layernorm") and not ke._pdl(cpu, 0, "layernorm")
+    attention_limit = ke.ENCODER_CONFIGS["sm90"]["pdl_attention_max_tokens"]
+    assert ke._pdl(cpu, attention_limit, "attention") and not ke._pdl(cpu, attention_limit + 1, "attention")
+    assert not ke._pdl(cpu, limit + 1, "")
     monkeypatch.setattr(ke, "INTERPRET", False)
     monkeypatch.setattr(ke, "pdl_launch_options", lambda on: {"launch_pdl": True} if on else {})
     launches = []

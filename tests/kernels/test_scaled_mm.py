@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import quantfuse as qf
 from quantfuse import reference as ref
 from quantfuse.kernels import scaled_mm as kmm
-from tests._util import KernelSpy, assert_sm90_pdl_rule
+from tests._util import KernelSpy
 
 INT8, FP8 = torch.int8, torch.float8_e4m3fn
 OUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -290,7 +290,16 @@ def test_split_k_reduce_launches_early_where_the_table_says(monkeypatch):
     (mm, mm_kw), (red, red_kw) = launches
     assert mm is kmm._scaled_mm_kernel and red is kmm._split_k_reduce_kernel
     assert mm_kw["PDL"] is False and red_kw["PDL"] is False and "launch_pdl" not in red_kw
-    assert_sm90_pdl_rule(monkeypatch, kmm, kmm._reduce_pdl)
+    # the rule (configs.split_k_reduce_pdl, shared with weight_only's reduce): sm90 with grid dependency control
+    from quantfuse.kernels import configs
+
+    cpu = torch.device("cpu")
+    assert configs.split_k_reduce_pdl(cpu) is False
+    monkeypatch.setattr(configs, "arch_key", lambda *args: "sm90")
+    monkeypatch.setattr(configs, "pdl_supported", lambda: True)
+    assert configs.split_k_reduce_pdl(cpu) is True
+    monkeypatch.setattr(configs, "arch_key", lambda *args: "default")
+    assert configs.split_k_reduce_pdl(cpu) is False
 
 
 def test_tma_needs_k_major_aligned_operands(monkeypatch):

@@ -9,7 +9,7 @@ from quantfuse import ops
 from quantfuse import reference as ref
 from quantfuse.kernels import weight_only as kw
 from quantfuse.weights import QuantizedWeight, pack_codes, unpack_codes
-from tests._util import KernelSpy, assert_sm90_pdl_rule
+from tests._util import KernelSpy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -549,12 +549,11 @@ def test_bad_arguments():
             build()
 
 
-def test_splitk_reduce_launches_early_where_the_table_says(monkeypatch):
-    # sm90 with grid dependency control: the reduce kernel behind gemv_mma's split-K products is launched early
-    # and waits for the partials; elsewhere, and under the interpreter, it runs in stream order
+def test_splitk_reduce_runs_in_stream_order_unless_asked(monkeypatch):
+    # pdl=True (gemv_mma, where configs.split_k_reduce_pdl says so: tested with scaled_mm's reduce) launches it
+    # early; by default, and under the interpreter, it runs in stream order
     from quantfuse.kernels import weight_only as kw
 
-    assert_sm90_pdl_rule(monkeypatch, kw, kw.reduce_pdl)
     spy = KernelSpy(kw._splitk_reduce_kernel)
     monkeypatch.setattr(kw, "_splitk_reduce_kernel", spy)
     part, bias = torch.randn(3, 2, 40), torch.randn(40)

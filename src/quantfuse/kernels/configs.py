@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import torch
 
-from ._common import next_pow2
+from ._common import next_pow2, pdl_supported
 
 
 @dataclass(frozen=True)
@@ -84,3 +84,15 @@ def sm_count(device: torch.device) -> int:
 def max_partials(device: torch.device) -> int:
     """Programs of a grid-stride reduction: two per SM, so the partials fit one 1024-wide block."""
     return min(1024, 2 * sm_count(device))
+
+
+# Architectures where the split-K reduce kernels (scaled_mm's and weight_only's) are launched early, behind the
+# split-K kernel that signals them (H100 A/Bs: tune_scaled_mm_reduce_pdl.json, tune_weight_only_reduce_pdl.json).
+SPLIT_K_REDUCE_PDL = {"sm90"}
+
+
+def split_k_reduce_pdl(device: torch.device) -> bool:
+    """Launch a split-K reduce kernel with programmatic dependent launch: on the architectures of
+    SPLIT_K_REDUCE_PDL, where Triton has it (never under the interpreter)."""
+    return arch_key(device.type, device.index) in SPLIT_K_REDUCE_PDL and pdl_supported()
+

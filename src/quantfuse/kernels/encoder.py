@@ -145,7 +145,7 @@ ENCODER_CONFIGS = {
         # programs waiting on SMs the previous kernel still holds skew where one-wave grids land
         "pdl_max_tokens": 256,
         # past pdl_max_tokens, the LayerNorms behind the residual GEMMs and the attention behind the QKV GEMM
-        # (_pdl_behind_gemm), up to 4096 tokens. bench_encoder's same-run ablations (CUDA graphs, mode 2):
+        # (_pdl's consumer rules), up to 4096 tokens. bench_encoder's same-run ablations (CUDA graphs, mode 2):
         # LayerNorm PDL at every size vs none: 1024 tokens 622.9 us vs 650.3, 4096 1343.9 vs 1370.3, but 16384
         # 4620.7 vs 4589.3; with it up to 4096 and attention PDL at every size, attention PDL vs none: 1024 614.4
         # vs 627.5, 4096 1336.7 vs 1348.5, but 32x384 4339.1 vs 4268.1. Packed half-length batches of 32x128
@@ -179,18 +179,16 @@ def _table(device: torch.device) -> dict:
     return ENCODER_CONFIGS[arch_key(device.type, device.index)]
 
 
-def _pdl(device: torch.device, tokens: int) -> bool:
+def _pdl(device: torch.device, tokens: int, consumer: str = "") -> bool:
     """Launch an encoder kernel with programmatic dependent launch: from 1 up to the table's `pdl_max_tokens`
-    tokens, where Triton has it (never under the interpreter)."""
-    return 0 < tokens <= _table(device)["pdl_max_tokens"] and pdl_supported()
-
-
-def _pdl_behind_gemm(device: torch.device, tokens: int, consumer: str) -> bool:
-    """Launch `consumer` ("layernorm": the LayerNorm behind a residual GEMM; "attention": the attention behind
-    the QKV GEMM) with programmatic dependent launch past `pdl_max_tokens`, up to the table's
-    `pdl_{consumer}_max_tokens`. The GEMM then signals its dependents at its start, so the consumer's programs
-    take SMs as the GEMM's last tiles drain and wait there for its results (a launch latency saved per pair)."""
-    return 0 < tokens <= _table(device).get(f"pdl_{consumer}_max_tokens", 0) and pdl_supported()
+    tokens, where Triton has it (never under the interpreter); for `consumer` ("layernorm": the LayerNorm
+    behind a residual GEMM, "attention": the attention behind the QKV GEMM) also up to the table's
+    `pdl_{consumer}_max_tokens`. A GEMM whose consumer that says yes for signals its dependents at its start, so
+    the consumer's programs take SMs as the GEMM's last tiles drain and wait there for its results (a launch
+    latency saved per pair)."""
+    table = _table(device)
+    limit = max(table["pdl_max_tokens"], table.get(f"pdl_{consumer}_max_tokens", 0) if consumer else 0)
+    return 0 < tokens <= limit and pdl_supported()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -541,7 +539,7 @@ def int8_gemm(
     pdl = _pdl(dev, m)
     # the grid dependency instructions (wait, then signal dependents): with PDL, and in a GEMM whose consumer is
     # launched early (a kernel launched without PDL passes the wait at once)
-    gdc = pdl or _pdl_behind_gemm(dev, m, {0: "layernorm", 2: "attention"}.get(code, ""))
+    gdc = _pdl(dev, m, {0: "layernorm", 2: "attention"}.get(code, ""))
     a_src, w_src = (descriptor(a, (bm, bk)), descriptor(w, (bn, bk))) if use_tma else (a, w)
     tma_epi = (len(tile) == 8 and bool(tile[7]) and code != 2 and describable(out)
                and (res_mode == 0 or describable(res)))
@@ -772,7 +770,7 @@ def int8_attention(
     batch = cu_seqlens.numel() - 1
     grid = (cdiv(max(max_seqlen, 1), bm), heads, batch)
     score_scale_log2 = q_scale * k_scale / math.sqrt(head_dim) * math.log2(math.e)
-    pdl = _pdl(qk.device, t) or _pdl_behind_gemm(qk.device, t, "attention")
+    pdl = _pdl(qk.device, t, "attention")
     launch_kernel(_int8_attention_kernel, grid,
         qk, vt, out, cu_seqlens, key_mask if key_mask is not None else cu_seqlens,
         t, heads * t * head_dim, vt.stride(1), out.stride(0),
@@ -887,7 +885,7 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     reciprocal = table["layernorm_reciprocal"]
     if config is not None:
         rows, warps, reciprocal = config
-    pdl = _pdl(y.device, m) or (embed is None and _pdl_behind_gemm(y.device, m, "layernorm"))
+    pdl = _pdl(y.device, m, "" if embed is not None else "layernorm")
     launch_kernel(_layernorm_quant_kernel, (cdiv(m, rows),),
         y, gamma, beta, out16 if out16 is not None else y, out8 if out8 is not None else y,
         m, n, y.stride(0), 1.0 if column or out_scale is None else float(out_scale),

@@ -43,7 +43,7 @@ import torch
 
 from ._common import INTERPRET, cdiv, launch_kernel
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
-from .configs import arch_key
+from .configs import arch_key, split_k_reduce_pdl
 
 if GLUON_AVAILABLE:
     from ._gluon import cta_barrier as _cta_barrier
@@ -257,7 +257,7 @@ if GLUON_AVAILABLE:
         PER_CHANNEL: gl.constexpr, EVEN_K: gl.constexpr, BLOCK_N: gl.constexpr, MP: gl.constexpr,
         num_warps: gl.constexpr, SIGNAL: gl.constexpr = False,
     ):
-        if SIGNAL:  # the split-K reduce kernel behind this one is launched early (weight_only.reduce_pdl)
+        if SIGNAL:  # the split-K reduce kernel behind this one is launched early (configs.split_k_reduce_pdl)
             signal_dependents()
         mma: gl.constexpr = _mma_layout(num_warps)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
@@ -343,7 +343,7 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     """out [M, N] = x2d @ W.T (+ bias) for int4 codes; the caller checked `applies` and validated the arguments.
     counters: a zeroed int32 slot per row block for the fused split-K reduction (None, or a config without
     fused_reduce: a second kernel reduces)."""
-    from .weight_only import reduce_pdl, splitk_reduce  # here, not at the top: weight_only imports this module
+    from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
 
     cfg = config or pick_config(x2d.shape[0], x2d.device)
     check_config(cfg)
@@ -364,7 +364,7 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     has_bias = bias is not None
     # groups of whole chunks, a power of two of them (validated); per channel: one group
     group_chunk_shift = 0 if per_channel else (group_size // CHUNK).bit_length() - 1
-    pdl = split and not fused and reduce_pdl(x2d.device)
+    pdl = split and not fused and split_k_reduce_pdl(x2d.device)
     launch_kernel(_wo_mma_decode_kernel, (grid_n, splits),
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales, out, part,
         counters if fused else scales, m, n, k, x2d.stride(0), qweight.stride(0), out.stride(0), chunks_per_split,

@@ -46,9 +46,8 @@ import triton
 import triton.language as tl
 
 from ._common import (INTERPRET, cast_to, cdiv, describable, describable_transposed, descriptor, grid_dependency_sync,
-                      launch_kernel, pdl_launch_options, pdl_supported, persistent_grid, remember_plan, tile_coords,
-                      tma_variant)
-from .configs import arch_key, sm_count
+                      launch_kernel, pdl_launch_options, persistent_grid, remember_plan, tile_coords, tma_variant)
+from .configs import arch_key, sm_count, split_k_reduce_pdl
 
 if TYPE_CHECKING:  # imported lazily at run time (blockwise_wgmma imports this module)
     from .blockwise_wgmma import WgmmaConfig
@@ -209,8 +208,6 @@ BLOCKWISE_SCALE_BLOCK = 128
 
 # Split-K is for weight streaming at decode-like M only.
 SPLIT_K_MAX_M = 256
-# The rowwise split-K reduce kernel launched early behind its producer, per architecture (see _reduce_pdl).
-SPLIT_K_REDUCE_PDL = {"sm90": True}
 
 # Under the interpreter every program is a Python loop: small tiles keep the CPU tests fast.
 _INTERPRET_CONFIG = MMConfig(16, 32, 32, 4, 1, group_m=2)
@@ -663,6 +660,8 @@ def scaled_mm(
     def launch(cfg: MMConfig, plan: Optional[tuple] = None) -> torch.Tensor:
         cfg, split, k_per_split, even_k, use_tma, persistent, grid = plan or geometry(cfg)
         ws = dummy
+        # the reduce kernel launched early: the split-K kernel signals it at its start
+        pdl = split > 1 and split_k_reduce_pdl(a2d.device)
         if split > 1:
             ws = torch.empty((split, m, n), dtype=torch.float32 if is_fp8 else torch.int32, device=a2d.device)
         common = dict(
@@ -682,12 +681,11 @@ def scaled_mm(
             a2d.stride(0), a2d.stride(1), b.stride(0), b.stride(1), out.stride(0),
             IS_FP8=is_fp8, SPLIT_K=split, EVEN_K=even_k,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            TMA=use_tma, PERSISTENT=bool(persistent), PDL=split > 1 and _reduce_pdl(a2d.device),
+            TMA=use_tma, PERSISTENT=bool(persistent), PDL=pdl,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
         if split > 1:
-            _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, True, common,
-                           _reduce_pdl(a2d.device))
+            _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, True, common, pdl)
         return out
 
     if config is None:
@@ -702,12 +700,6 @@ def scaled_mm(
             return launch(plan[0], plan)
         config = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch, None if is_fp8 else "int8", tma_ok)
     return launch(config)
-
-
-def _reduce_pdl(device: torch.device) -> bool:
-    """Launch the split-K reduce kernel early (programmatic dependent launch) behind the rowwise kernel, which
-    signals it at its start: where SPLIT_K_REDUCE_PDL says so for this architecture and Triton has it."""
-    return SPLIT_K_REDUCE_PDL.get(arch_key(device.type, device.index), False) and pdl_supported()
 
 
 def _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, apply_scales, common, pdl=False):

@@ -73,13 +73,10 @@ import triton
 import triton.language as tl
 
 from . import gemv_mma, gemv_tma
-from ._common import (INTERPRET, cast_to, cdiv, grid_dependency_sync, launch_kernel, next_pow2, pdl_launch_options,
-                      pdl_supported)
+from ._common import INTERPRET, cast_to, cdiv, grid_dependency_sync, launch_kernel, next_pow2, pdl_launch_options
 from .configs import arch_key, sm_count
 
 WORDS_PER_CHUNK = 16
-# The split-K reduce kernel launched early behind a producer that signals it (gemv_mma), per architecture.
-REDUCE_PDL = {"sm90": True}
 
 
 def codes_per_word(bits: int) -> int:
@@ -782,16 +779,10 @@ def _splitk_reduce_kernel(
     tl.store(out_ptr + m * stride_om + n, cast_to(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
-def reduce_pdl(device: torch.device) -> bool:
-    """Launch `splitk_reduce` early (programmatic dependent launch) behind a producer that signals it at its
-    start: where REDUCE_PDL says so for this architecture and Triton has it."""
-    return REDUCE_PDL.get(arch_key(device.type, device.index), False) and pdl_supported()
-
-
 def splitk_reduce(part: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, pdl: bool = False) -> None:
     """out [M, N] = the sum of the float32 split-K partials part [splits, M, N] (+ bias), rounded once: the
     second kernel of the split-K products that have no counter slot for the fused reduction. pdl: launched
-    early behind a producer that signals its dependents (`reduce_pdl`)."""
+    early behind a producer that signals its dependents (`configs.split_k_reduce_pdl`)."""
     splits, m, n = part.shape
     block = 1024
     launch_kernel(_splitk_reduce_kernel, (cdiv(m * n, block),),
