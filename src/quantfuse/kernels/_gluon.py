@@ -33,7 +33,7 @@ WS_MAXNREG = 168
 __all__ = ["GLUON_AVAILABLE", "sm90_exactly", "WS_CONSUMER_REGS", "WS_MAXNREG"]
 if GLUON_AVAILABLE:
     __all__ += ["gluon", "gl", "mbarrier", "mma_v2", "tma", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait",
-                "TensorDescriptor", "cta_barrier", "tma_load", "tile_coords", "signal_dependents"]
+                "TensorDescriptor", "cta_barrier", "tma_load", "tile_coords", "signal_dependents", "ring_load"]
 
     @gluon.jit
     def tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
@@ -45,6 +45,21 @@ if GLUON_AVAILABLE:
         first_m = (tile // width) * GROUP_M
         size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
         return first_m + (tile % width) % size_m, (tile % width) // size_m
+
+    @gluon.jit
+    def ring_load(a_desc, b_desc, a_smem, b_smem, ready, empty, c, a_row, b_row, k, STAGES: gl.constexpr,
+                  EXTRA_BYTES: gl.constexpr):
+        """A warp-specialized loader's K step c into slot c % STAGES of its ready / empty mbarrier ring: wait
+        until the consumers freed the slot, expect the A and B boxes plus EXTRA_BYTES that the caller copies
+        into the same slot after this, and copy A [a_row, k] and B [b_row, k] (zero fill past the edges).
+        Returns the slot."""
+        slot = c % STAGES
+        # slots start free: waiting on the opposite parity of a fresh barrier returns at once
+        mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes + EXTRA_BYTES)
+        tma_load(a_desc, [a_row, k], ready.index(slot), a_smem.index(slot))
+        tma_load(b_desc, [b_row, k], ready.index(slot), b_smem.index(slot))
+        return slot
 
     @gluon.jit
     def signal_dependents():

@@ -53,6 +53,7 @@ if GLUON_AVAILABLE:
     from ._gluon import cta_barrier as _cta_barrier
     from ._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
     from ._gluon import tile_coords as _tile_coords
+    from ._gluon import ring_load as _ring_load
     from ._gluon import tma_load as _tma_load
     try:
         from triton.language.core import _aggregate
@@ -281,6 +282,7 @@ if GLUON_AVAILABLE and _aggregate is not None:
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
         STAGES: gl.constexpr = cfg.STAGES
         SB_WIDTH: gl.constexpr = sb_smem.shape[2]
+        SA_BYTES: gl.constexpr = sa_desc.block_type.nbytes if cfg.SCALE_SMEM else 0
         sb_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
@@ -288,18 +290,11 @@ if GLUON_AVAILABLE and _aggregate is not None:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, cfg.GROUP_M)
             for ks in range(k_steps):
-                slot = c % STAGES
-                # slots start free: waiting on the opposite parity of a fresh barrier returns at once
-                mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)
+                slot = _ring_load(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                                  ks * BLOCK_K, STAGES, SA_BYTES)
                 if cfg.SCALE_SMEM:
-                    mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes
-                                    + sa_desc.block_type.nbytes)
+                    # the step's activation scales into the same slot (counted in the expect above)
                     _tma_load(sa_desc, [ks, pid_m * BLOCK_M], ready.index(slot), sa_smem.index(slot))
-                else:
-                    mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                _tma_load(a_desc, [pid_m * BLOCK_M, ks * BLOCK_K], ready.index(slot), a_smem.index(slot))
-                _tma_load(b_desc, [pid_n * BLOCK_N, ks * BLOCK_K], ready.index(slot), b_smem.index(slot))
-                if cfg.SCALE_SMEM:
                     # the weight block's scale, one float, stored by this partition (the copy engine faulted on
                     # it: an illegal instruction on the H100 with every box tried) and released by the second
                     # arrival the slot's ready barrier counts; the barrier first, so every store precedes it

@@ -41,7 +41,7 @@ if GLUON_AVAILABLE:
     from ._gluon import TensorDescriptor as GluonTensorDescriptor
     from ._gluon import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from ._gluon import tile_coords as _tile_coords
-    from ._gluon import tma_load as _tma_load
+    from ._gluon import ring_load as _ring_load
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
     try:
         from triton.language.core import _aggregate
@@ -237,12 +237,8 @@ if GLUON_AVAILABLE:
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, cfg.GROUP_M)
             for ks in range(k_steps):
-                slot = c % STAGES
-                # slots start free: waiting on the opposite parity of a fresh barrier returns at once
-                mbarrier.wait(empty.index(slot), ((c // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                _tma_load(a_desc, [pid_m * BLOCK_M, ks * BLOCK_K], ready.index(slot), a_smem.index(slot))
-                _tma_load(w_desc, [pid_n * BLOCK_N, ks * BLOCK_K], ready.index(slot), w_smem.index(slot))
+                _ring_load(a_desc, w_desc, a_smem, w_smem, ready, empty, c, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                           ks * BLOCK_K, STAGES, 0)
                 c += 1
 
     @gluon.jit
