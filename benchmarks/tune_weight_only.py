@@ -60,6 +60,7 @@ PPSM = (1, 2, 4, 8)
 BUDGET_S = float(os.environ.get("TUNE_BUDGET_S", "450"))
 # scales dtype of the swept weights: "bfloat16" (the activation dtype) lets convert "packed" run
 SCALE_DTYPE = os.environ.get("TUNE_SCALE_DTYPE", "float32")
+# TUNE_TINYGEMM=0 skips the tinygemm peer (prefill-sized sweeps, where it is far behind and slow to time)
 WARMUP_MS, REP_MS = 5, 20
 # "cpu" only for --cpu-smoke (the interpreter; checks this script's logic, times nothing real); an environment
 # variable so that the spawned compile workers see it too
@@ -93,7 +94,7 @@ def cand(kernel, m, block_n, chunks, num_warps, num_stages, ppsm, convert="inpla
 def key(c: dict) -> str:
     return (f"{c['kernel']} m{c['block_m']} n{c['block_n']} c{c['chunks']} {c['convert']} w{c['num_warps']} "
             f"s{c['num_stages']} p{c['programs_per_sm']}"
-            + (f" {c['scale']}" if c.get("scale", "before") != "before" else ""))
+            + (f" {c['scale']}" if c.get("scale", "before") != "before" else "") + (" wide" if c.get("wide") else ""))
 
 
 def stage1(m: int):
@@ -337,6 +338,8 @@ class Sweep:
         try:
             if BITS != 4:
                 raise ValueError("tinygemm takes 4-bit weights only")
+            if os.environ.get("TUNE_TINYGEMM", "1") == "0":
+                raise ValueError("skipped (TUNE_TINYGEMM=0)")
             wp, sz = bwo.tinygemm_pack(qw)
             tg_bytes = wp.numel() * wp.element_size() + sz.numel() * sz.element_size()
             self.tg_sets = [(wp, sz)] + [(wp.clone(), sz.clone()) for _ in range(common.rotation_count(tg_bytes) - 1)]

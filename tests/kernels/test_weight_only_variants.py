@@ -42,17 +42,20 @@ F16, BF16 = torch.float16, torch.bfloat16
 RTOL_SUM = 1e-5
 
 
-def tile(kernel="mma", block_m=16, block_n=64, chunks=1, convert="shift", num_warps=4, num_stages=2, scale=None):
+def tile(kernel="mma", block_m=16, block_n=64, chunks=1, convert="shift", num_warps=4, num_stages=2, scale=None,
+         wide=False):
     t = dict(kernel=kernel, block_m=block_m, block_n=block_n, chunks=chunks, convert=convert,
              num_warps=num_warps, num_stages=num_stages, programs_per_sm=1)
     if scale is not None:
         t["scale"] = scale
+    if wide:
+        t["wide"] = True
     return t
 
 
 def tile_id(t):
     return f"{t['kernel']}-m{t['block_m']}-n{t['block_n']}-c{t['chunks']}-{t['convert']}" + \
-        (f"-{t['scale']}" if "scale" in t else "")
+        (f"-{t['scale']}" if "scale" in t else "") + ("-wide" if t.get("wide") else "")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -169,6 +172,10 @@ MMA = [
     tile(block_m=32, block_n=128, chunks=2, convert="inplace", num_warps=8),
     tile(block_m=64, block_n=16, chunks=2, convert="inplace"),
     tile(block_m=32, block_n=64, chunks=4),
+    # one product per chunk (WIDE): every field side by side in k order
+    tile(block_n=64, chunks=1, wide=True),
+    tile(block_m=32, block_n=32, chunks=1, convert="inplace", wide=True),
+    tile(block_n=128, chunks=1, convert="packed", num_warps=8, wide=True),
 ]
 GEMV = [
     tile("gemv", block_m=1, block_n=16, chunks=1),
@@ -195,6 +202,9 @@ GEMM_CASES = [
     (MMA[9], 5, 1024, 257, 4, 128, False, F16, 3, True),  # 3, 3, 2
     (MMA[10], 3, 192, 100, 4, 32, True, F16, 1, False),
     (MMA[11], 2, 192, 257, 8, 128, True, F16, 2, False),  # 3 chunks -> 2 + 1 with chunks=4
+    (MMA[12], 3, 200, 257, 4, 32, False, BF16, 2, True),  # wide: two groups per pair of fields
+    (MMA[13], 5, 1024, 100, 8, 128, True, F16, 3, False),  # wide int8: 4 fields per product, 6, 6, 4
+    (MMA[14], 2, 1024, 257, 4, -1, False, F16, 1, True),  # wide, "packed" on float32 scales: runs "inplace"
     (GEMV[0], 1, 200, 100, 4, 128, False, BF16, 2, True),
     (GEMV[1], 2, 1024, 100, 8, 32, False, F16, 3, False),  # 6, 6, 4 with chunks=4
     (GEMV[2], 3, 192, 100, 4, 32, True, BF16, 1, True),
@@ -220,7 +230,9 @@ def test_variant_gemm_vs_fp32_reference(case, monkeypatch):
     bias = torch.randn(n).to(dtype) if has_bias else None
     out, call = launch_spied(monkeypatch, x, qw, t, splits, bias)
     assert call["CHUNKS"] == t["chunks"]
-    assert call["CONVERT"] == kw._CONVERTS[t["convert"]] and call["BLOCK_N"] == t["block_n"]
+    convert = "inplace" if t["convert"] == "packed" else t["convert"]  # float32 scales: no packed conversion
+    assert call["CONVERT"] == kw._CONVERTS[convert] and call["BLOCK_N"] == t["block_n"]
+    assert call.get("WIDE", False) == bool(t.get("wide"))
     assert out.shape == (m, n) and out.dtype == dtype
     assert_close_to_ref(out, x, qw.dequantize(dtype), bias, _case_id(case))
 
@@ -283,6 +295,10 @@ PACKED_CASES = [
     (tile(block_n=64, chunks=1, convert="packed"), 5, 200, 100, 8, -1, True, F16, 3, False),
     (tile(block_n=16, chunks=4, convert="packed", num_warps=2), 2, 1024, 257, 8, 128, False, F16, 3, False),
     (tile(block_n=32, chunks=1, convert="packed"), 2, 200, 100, 4, 64, False, F16, 1, False),
+    # one product per chunk: g32 (pairs of fields in different groups), g64 (two groups a chunk), int8 fp16
+    (tile(block_n=64, chunks=1, convert="packed", wide=True), 3, 1024, 257, 4, 32, False, BF16, 3, True),
+    (tile(block_m=32, block_n=32, chunks=1, convert="packed", wide=True), 5, 200, 100, 4, 64, True, F16, 2, False),
+    (tile(block_n=64, chunks=1, convert="packed", wide=True), 2, 192, 257, 8, 32, False, F16, 1, False),
 ]
 
 
@@ -483,7 +499,9 @@ def test_bad_tiles_raise():
     for bad, match in [(dict(tile(), kernel="simt"), "kernel"), (dict(tile(), convert="lut"), "convert"),
                        (dict(tile(), chunks=3), "chunks"), (dict(tile(), block_n=8), "block_n"),
                        (dict(tile(), block_m=8), "block_m"), (tile("gemv", block_m=8), "block_m"),
-                       (tile(scale="sideways"), "scale"), (tile(chunks=2, scale="after"), "scale")]:
+                       (tile(scale="sideways"), "scale"), (tile(chunks=2, scale="after"), "scale"),
+                       (tile(chunks=2, wide=True), "wide"), (tile("gemv", block_m=2, wide=True), "wide"),
+                       (tile(scale="after", wide=True), "wide")]:
         with pytest.raises(ValueError, match=match):
             run(x, qw, bad, 1)
     run(x, qw, tile(chunks=2, scale="auto"), 1)  # "auto" is "before" on the tensor-core kernel: any chunks
@@ -528,7 +546,28 @@ GPU_VARIANTS = VARIANTS + [
     tile("gemv", block_m=3, block_n=32, chunks=2, convert="inplace", scale="auto"),
     tile(block_n=128, chunks=1, convert="packed", scale="after"),
     tile(block_n=32, chunks=1, convert="inplace", scale="after", num_warps=2),
+    # the large-M candidates of one product per chunk
+    tile(block_m=128, block_n=128, chunks=1, convert="packed", num_warps=8, num_stages=3, wide=True),
+    tile(block_m=256, block_n=128, chunks=1, convert="packed", num_warps=8, num_stages=3, wide=True),
+    tile(block_m=128, block_n=256, chunks=1, convert="packed", num_warps=8, num_stages=3, wide=True),
 ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [t for t in GPU_VARIANTS if t.get("wide")], ids=tile_id)
+def test_wide_packed_gpu_bitwise_equals_inplace(t):
+    """One product per chunk with 16-bit scales (the packed conversion really runs): bit for bit the in-place
+    conversion's output, int4 g128 and g32 in bfloat16, int8 g64 in float16, and within the reference bound."""
+    torch.manual_seed(1)
+    for bits, group, sym, dtype, (k, n), m in [(4, 128, True, BF16, (4096, 1000), 77), (4, 32, False, BF16, (1000, 257), 3),
+                                               (8, 64, False, F16, (2048, 300), 130)]:
+        qw = make_qw(n, k, bits, group, sym, device="cuda", scale_dtype=dtype)
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        bias = torch.randn(n, device="cuda").to(dtype)
+        got = run(x, qw, dict(t, convert="packed"), None, bias)
+        ref = run(x, qw, dict(t, convert="inplace"), None, bias)
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), f"{tile_id(t)} int{bits} g{group}"
+        assert_close_to_ref(got.cpu(), x.cpu(), qw.dequantize(dtype).cpu(), bias.cpu(), f"{tile_id(t)} int{bits}")
 
 
 @pytest.mark.gpu

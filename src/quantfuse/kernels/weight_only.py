@@ -25,7 +25,10 @@ Kernels:
   rounding. Scales (and zero points) are loaded once per group per chunk. CHUNKS (tile key `chunks`)
   chunks are loaded per K-loop iteration ([BLOCK_N, CHUNKS, 16] words) and each field is one
   [BLOCK_N, 16 * CHUNKS] x [16 * CHUNKS, BLOCK_M] product: fewer, larger loads and MMAs per weight.
-  BLOCK_N 16 / 32 give mma.sync on Hopper instead of wgmma.
+  BLOCK_N 16 / 32 give mma.sync on Hopper instead of wgmma. Tile key `wide` (the shipped tiles from M = 17
+  up): the chunk's fields side by side in k order, one [BLOCK_N, CHUNK] x [CHUNK, BLOCK_M] product per chunk
+  instead of one per field, so Hopper waits once per chunk for its register-operand wgmma instead of once per
+  field (1.1-1.3x at M = 32..128, 1.2-1.9x at M = 256 over dequantize + cuBLAS; tune_weight_only_wide*.json).
 - `_wo_gemv_kernel`: the same product without tensor cores for M <= 4 (tile key kernel="gemv"): the
   weights (widened to float32) times x broadcast, accumulated elementwise per row, reduced once after the K
   loop. With the scale after the sums (tile key scale "auto"/"after", the shipped M = 1 tile) it multiplies
@@ -118,22 +121,31 @@ _DISPATCH = {
                  kernel="gemv", convert="inplace", scale="auto"),
             dict(max_m=16, block_m=16, block_n=128, num_warps=4, num_stages=3, programs_per_sm=4,
                  chunks=1, kernel="mma", convert="packed", scale="auto"),
-            dict(max_m=32, block_m=32, block_n=128, num_warps=4, num_stages=3, programs_per_sm=2,
-                 chunks=1, kernel="mma", convert="packed", scale="auto"),
+            # one product per chunk, 4 stages (tune_weight_only_wide2.json, float32 scales, the five shapes: 14.5-78.9
+            # us against 17.3-94.2 for this tile one field at a time with 3 stages)
+            dict(max_m=32, block_m=32, block_n=128, num_warps=4, num_stages=4, programs_per_sm=2,
+                 chunks=1, kernel="mma", convert="packed", scale="auto", wide=True),
             # one chunk, 4 stages, 2 programs per SM (tune_weight_only_packed.json, bfloat16 scales:
             # 8192x10240 56.9 us vs 92.5 for the earlier 2-chunk, 3-stage, 1-program tile; 28672x8192
-            # 127.6 vs 157.5; with float32 scales tune_weight_only_m64_m128.json: 28672x8192 111.2 vs 128.5)
+            # 127.6 vs 157.5; with float32 scales tune_weight_only_m64_m128.json: 28672x8192 111.2 vs 128.5),
+            # and one product per chunk (wide; tune_weight_only_wide.json, float32 scales, the five shapes:
+            # 17.6-94.5 us against 22.5-115.5 for the same tile one field at a time)
             dict(max_m=64, block_m=64, block_n=128, num_warps=4, num_stages=4, programs_per_sm=2,
-                 chunks=1, kernel="mma", convert="packed", scale="auto"),
+                 chunks=1, kernel="mma", convert="packed", scale="auto", wide=True),
             # M 65..128 and the catch-all up to cublas_min_m: one 128-row block dequantizes each weight tile
             # once (tune_weight_only_m64_m128.json, M=128: 1.73x the previous 64x128 catch-all, geomean of
-            # five shapes; 8192x10240 73.7 us vs 152)
+            # five shapes; 8192x10240 73.7 us vs 152), one product per chunk (tune_weight_only_wide.json:
+            # M = 128 26.2-129.9 us vs 31.7-149.0; M = 256 43.3-241.5 us vs 52.7-291.7 one field at a time and
+            # 53.9-453.2 for dequantize + cuBLAS)
             dict(max_m=128, block_m=128, block_n=256, num_warps=8, num_stages=3, programs_per_sm=1,
-                 chunks=1, kernel="mma", convert="packed", scale="auto"),
+                 chunks=1, kernel="mma", convert="packed", scale="auto", wide=True),
             dict(max_m=1 << 62, block_m=128, block_n=256, num_warps=8, num_stages=3, programs_per_sm=1,
-                 chunks=1, kernel="mma", convert="packed", scale="auto"),
+                 chunks=1, kernel="mma", convert="packed", scale="auto", wide=True),
         ],
-        "cublas_min_m": 256,
+        # dequantize + cuBLAS against the wide catch-all: M = 1024 99.5-908.6 us vs 134.1-872.9
+        # (tune_weight_only_wide.json); M = 512 63.3-567.9 vs 67.0-437.8, ahead on 2 of 5 shapes and by up to 1.28x
+        # (8192x10240; tune_weight_only_wide2.json)
+        "cublas_min_m": 512,
         # the last program of a tile reduces the split-K partials up to this M (H100, CUDA graphs: Llama-3-8B
         # layer at batch 1, int4 linears 110 us vs 125 with the reduce kernel; at M = 16 that program's
         # serial read of splits x 16 rows made it slower, 137 us vs 122), the reduce kernel above it
@@ -407,6 +419,50 @@ def _field_dot(acc, w, x_cols, k, k_end, m_mask, BLOCK_N: tl.constexpr, CHUNKS: 
 
 
 @triton.jit
+def _cat2(a, b):
+    """[R, C] and [R, C] -> [R, 2C], a's columns first (join, then the new axis moved ahead of the columns)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [a.shape[0], 2 * a.shape[1]])
+
+
+@triton.jit
+def _chunk_operand(w0, w1, w2, w3, w4, w5, w6, w7, FIELDS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The fields' [BLOCK_N, 1, 16] operands side by side, [BLOCK_N, 16 * FIELDS]: column 16 * i + j is field i
+    of word j, i.e. k = 16 * i + j of the chunk (the interleave), so one dot takes the whole chunk against x's
+    CHUNK consecutive columns. FIELDS 4 (int8) ignores w4..w7."""
+    a = _cat2(tl.reshape(w0, [BLOCK_N, 16]), tl.reshape(w1, [BLOCK_N, 16]))
+    b = _cat2(tl.reshape(w2, [BLOCK_N, 16]), tl.reshape(w3, [BLOCK_N, 16]))
+    if FIELDS == 8:
+        c = _cat2(tl.reshape(w4, [BLOCK_N, 16]), tl.reshape(w5, [BLOCK_N, 16]))
+        d = _cat2(tl.reshape(w6, [BLOCK_N, 16]), tl.reshape(w7, [BLOCK_N, 16]))
+        return _cat2(_cat2(a, b), _cat2(c, d))
+    else:
+        return _cat2(a, b)
+
+
+@triton.jit
+def _wide_field(words, words_hi, field_mask, I: tl.constexpr, GROUP_FIELDS: tl.constexpr, s, zm, s_ptr, z_ptr, k_base,
+                ci, group_size, num_groups, N, n3, valid, HAS_ZERO: tl.constexpr, BITS: tl.constexpr,
+                CONVERT: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Field I's w_hat [BLOCK_N, 1, 16] (one chunk per iteration), with the group parameters reloaded where a
+    group starts at this field; returns them for the next field."""
+    CHUNK: tl.constexpr = 16 * (32 // BITS)
+    if I % GROUP_FIELDS == 0:
+        s, zm = _group_params(s_ptr, z_ptr, k_base + ci * CHUNK + 16 * I, group_size, num_groups, N, n3, valid,
+                              HAS_ZERO, BITS, True)
+    return _dequant_field(words, words_hi, field_mask, I, BITS, s, zm, CONVERT, DTYPE, INTERPRET, True), s, zm
+
+
+@triton.jit
+def _wide_dot(acc, w, x_cols, k, k_end, m_mask, INTERPRET: tl.constexpr):
+    """acc + w [BLOCK_N, CHUNK] @ x^T at k: the WIDE kernel's one product per chunk (see `_field_dot`)."""
+    xt = tl.load(x_cols + k[:, None], mask=(k[:, None] < k_end) & m_mask[None, :], other=0.0)
+    if INTERPRET:
+        return acc + tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(w, xt, acc)
+
+
+@triton.jit
 def _group_scale(s_ptr, k, group_size, num_groups, N, offs_n, n_mask):
     """The float32 scales [BLOCK_N, 1] of the group holding k (scale-after kernels)."""
     g = tl.minimum(k // group_size, num_groups - 1)
@@ -478,9 +534,15 @@ def _wo_mm_kernel(
     stride_xm, stride_wn, stride_om,
     BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNKS: tl.constexpr, CONVERT: tl.constexpr, SCALE: tl.constexpr, INTERPRET: tl.constexpr,
+    CHUNKS: tl.constexpr, CONVERT: tl.constexpr, SCALE: tl.constexpr, WIDE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] * w_hat[n, k] (+ bias[n]), fp32 accumulation, computed as out^T tiles.
+
+    WIDE (SCALE 0, CHUNKS 1): the chunk's fields are converted first and laid side by side in k order
+    (`_chunk_operand`), so the chunk is one [BLOCK_N, CHUNK] x [CHUNK, BLOCK_M] product instead of one 16-deep
+    product per field. On Hopper a 16-deep product whose left operand comes from registers is a wgmma group the
+    kernel waits for before converting the next field (offline sm90 PTX: 8 `wgmma.wait_group 0` per int4
+    chunk); the whole chunk is 8 k-steps in flight, one wait. The same products, accumulated in the same field order.
 
     SCALE 0 ("before"): each weight is rounded to w_hat in x's dtype before its product, as the reference.
     SCALE 1 / 2 ("after", CHUNKS 1 only): the dot takes the exact integers u - z (exact in x's dtype) and
@@ -522,10 +584,61 @@ def _wo_mm_kernel(
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # the current group's unscaled sum (SCALE 1)
     if SCALE != 0:
         tl.static_assert(CHUNKS == 1, "scale after the dot: one chunk per iteration (one group per field)")
+    if WIDE:
+        tl.static_assert(SCALE == 0 and CHUNKS == 1, "one product per chunk: w_hat before the dot, one chunk")
     for cc in range(c_begin, c_end, CHUNKS):
         valid, words, words_hi = _load_words(w_tile, cc, ci, nm3, c_end, CHUNKS, CONVERT)
         k_base = cc * CHUNK
-        if CONVERT == 2:
+        if WIDE:
+            if CONVERT == 2:
+                nz, ss = _packed_params(s_ptr, z_ptr, k_base, 0, cc, c_end, group_size, num_groups, N, offs_n,
+                                        n_mask, HAS_ZERO, BITS, GROUP_FIELDS == FIELDS, CHUNK, CHUNKS, HALF, x_dtype,
+                                        True)
+                w0, w_h0 = _pair_convert(words, nz, ss, BITS, x_dtype, INTERPRET, True)
+                w1, w_h1 = _pair_convert(words >> BITS, nz, ss, BITS, x_dtype, INTERPRET, True)
+                if HALF == 4:
+                    if GROUP_FIELDS == 2:
+                        nz, ss = _packed_params(s_ptr, z_ptr, k_base, 2, cc, c_end, group_size, num_groups, N,
+                                                offs_n, n_mask, HAS_ZERO, BITS, False, CHUNK, CHUNKS, HALF, x_dtype,
+                                                True)
+                    w2, w_h2 = _pair_convert(words >> (2 * BITS), nz, ss, BITS, x_dtype, INTERPRET, True)
+                    w3, w_h3 = _pair_convert(words >> (3 * BITS), nz, ss, BITS, x_dtype, INTERPRET, True)
+                    w = _chunk_operand(w0, w1, w2, w3, w_h0, w_h1, w_h2, w_h3, FIELDS, BLOCK_N)
+                else:
+                    w = _chunk_operand(w0, w1, w_h0, w_h1, w0, w0, w0, w0, FIELDS, BLOCK_N)
+            else:
+                s = tl.zeros([BLOCK_N, 1, 1], tl.float32)
+                zm = s
+                w0, s, zm = _wide_field(words, words_hi, field_mask, 0, GROUP_FIELDS, s, zm, s_ptr, z_ptr, k_base,
+                                        ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT, x_dtype,
+                                        INTERPRET)
+                w1, s, zm = _wide_field(words, words_hi, field_mask, 1, GROUP_FIELDS, s, zm, s_ptr, z_ptr, k_base,
+                                        ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT, x_dtype,
+                                        INTERPRET)
+                w2, s, zm = _wide_field(words, words_hi, field_mask, 2, GROUP_FIELDS, s, zm, s_ptr, z_ptr, k_base,
+                                        ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT, x_dtype,
+                                        INTERPRET)
+                w3, s, zm = _wide_field(words, words_hi, field_mask, 3, GROUP_FIELDS, s, zm, s_ptr, z_ptr, k_base,
+                                        ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT, x_dtype,
+                                        INTERPRET)
+                if FIELDS == 8:
+                    w4, s, zm = _wide_field(words, words_hi, field_mask, 4, GROUP_FIELDS, s, zm, s_ptr, z_ptr,
+                                            k_base, ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT,
+                                            x_dtype, INTERPRET)
+                    w5, s, zm = _wide_field(words, words_hi, field_mask, 5, GROUP_FIELDS, s, zm, s_ptr, z_ptr,
+                                            k_base, ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT,
+                                            x_dtype, INTERPRET)
+                    w6, s, zm = _wide_field(words, words_hi, field_mask, 6, GROUP_FIELDS, s, zm, s_ptr, z_ptr,
+                                            k_base, ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT,
+                                            x_dtype, INTERPRET)
+                    w7, s, zm = _wide_field(words, words_hi, field_mask, 7, GROUP_FIELDS, s, zm, s_ptr, z_ptr,
+                                            k_base, ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT,
+                                            x_dtype, INTERPRET)
+                    w = _chunk_operand(w0, w1, w2, w3, w4, w5, w6, w7, FIELDS, BLOCK_N)
+                else:
+                    w = _chunk_operand(w0, w1, w2, w3, w0, w0, w0, w0, FIELDS, BLOCK_N)
+            acc = _wide_dot(acc, w, x_cols, k_base + tl.arange(0, CHUNK), k_end, m_mask, INTERPRET)
+        elif CONVERT == 2:
             # Fields p and p + HALF sit at bits BITS*p and 16 + BITS*p: one shift and one packed conversion
             # per pair. The products go in field order (the low fields' now, the high fields' after them),
             # the accumulation order of the one-field conversions: the same output bit for bit.
@@ -917,6 +1030,9 @@ def check_tile(tile: dict) -> None:
         raise ValueError(f"tile chunks: expected a power of two <= 8, got {chunks!r}")
     if tile.get("scale", "before") == "after" and kind == "mma" and chunks != 1:
         raise ValueError(f"tile scale: 'after' on the mma kernel needs chunks=1 (one group per dot), got chunks={chunks}")
+    if tile.get("wide", False) and (kind != "mma" or chunks != 1 or tile.get("scale", "before") == "after"):
+        raise ValueError(f"tile wide: one product per chunk needs kernel 'mma', chunks=1 and the scale before the "
+                         f"dot, got {tile!r}")
     if not pow2(bn) or bn < 16:
         raise ValueError(f"tile block_n: expected a power of two >= 16, got {bn!r}")
     if kind == "mma" and (not pow2(bm) or bm < 16):
@@ -969,7 +1085,8 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     convert ("shift", default, "inplace" or "packed": the same values with fewer instructions; "packed"
     runs on the mma kernel where `packed_applies`, else as "inplace") and scale ("before", default: the
     product takes w_hat; "after": it takes u - z and the group sums are scaled, on the mma kernel with
-    chunks=1 only; "auto": `_scale_code`). splits:
+    chunks=1 only; "auto": `_scale_code`) and wide (one product per chunk, `_wo_mm_kernel`'s WIDE; with the scale
+    before the dot and chunks=1, else ignored). splits:
     force the number of K splits (rounded so every split has the same whole number of chunks, the last
     possibly fewer)."""
     m, k = x2d.shape
@@ -999,7 +1116,7 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     scale_code = _scale_code(tile, scales.shape[0], mma)
     group = _effective_group(group_size, k)
     if mma:
-        extra = dict(FUSED_REDUCE=fused)
+        extra = dict(FUSED_REDUCE=fused, WIDE=bool(tile.get("wide", False)) and scale_code == 0 and chunks == 1)
     else:
         # group_shift: the GEMV's per-group scaling (SCALE 1) locates groups by shift; group sizes with
         # several groups are powers of two (validated by quantfuse.ops / QuantizedWeight)
