@@ -453,6 +453,22 @@ def _wide_field(words, words_hi, field_mask, I: tl.constexpr, GROUP_FIELDS: tl.c
 
 
 @triton.jit
+def _wide_fields(words, words_hi, field_mask, FIRST: tl.constexpr, GROUP_FIELDS: tl.constexpr, s, zm, s_ptr, z_ptr,
+                 k_base, ci, group_size, num_groups, N, n3, valid, HAS_ZERO: tl.constexpr, BITS: tl.constexpr,
+                 CONVERT: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """`_wide_field` for fields FIRST .. FIRST + 3, in order (the group parameters carried from one to the next)."""
+    a, s, zm = _wide_field(words, words_hi, field_mask, FIRST, GROUP_FIELDS, s, zm, s_ptr, z_ptr, k_base, ci,
+                           group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT, DTYPE, INTERPRET)
+    b, s, zm = _wide_field(words, words_hi, field_mask, FIRST + 1, GROUP_FIELDS, s, zm, s_ptr, z_ptr, k_base, ci,
+                           group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT, DTYPE, INTERPRET)
+    c, s, zm = _wide_field(words, words_hi, field_mask, FIRST + 2, GROUP_FIELDS, s, zm, s_ptr, z_ptr, k_base, ci,
+                           group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT, DTYPE, INTERPRET)
+    d, s, zm = _wide_field(words, words_hi, field_mask, FIRST + 3, GROUP_FIELDS, s, zm, s_ptr, z_ptr, k_base, ci,
+                           group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT, DTYPE, INTERPRET)
+    return a, b, c, d, s, zm
+
+
+@triton.jit
 def _wide_dot(acc, w, x_cols, k, k_end, m_mask, INTERPRET: tl.constexpr):
     """acc + w [BLOCK_N, CHUNK] @ x^T at k: the WIDE kernel's one product per chunk (see `_field_dot`)."""
     xt = tl.load(x_cols + k[:, None], mask=(k[:, None] < k_end) & m_mask[None, :], other=0.0)
@@ -608,32 +624,13 @@ def _wo_mm_kernel(
                     w = _chunk_operand(w0, w1, w_h0, w_h1, w0, w0, w0, w0, FIELDS, BLOCK_N)
             else:
                 s = tl.zeros([BLOCK_N, 1, 1], tl.float32)
-                zm = s
-                w0, s, zm = _wide_field(words, words_hi, field_mask, 0, GROUP_FIELDS, s, zm, s_ptr, z_ptr, k_base,
-                                        ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT, x_dtype,
-                                        INTERPRET)
-                w1, s, zm = _wide_field(words, words_hi, field_mask, 1, GROUP_FIELDS, s, zm, s_ptr, z_ptr, k_base,
-                                        ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT, x_dtype,
-                                        INTERPRET)
-                w2, s, zm = _wide_field(words, words_hi, field_mask, 2, GROUP_FIELDS, s, zm, s_ptr, z_ptr, k_base,
-                                        ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT, x_dtype,
-                                        INTERPRET)
-                w3, s, zm = _wide_field(words, words_hi, field_mask, 3, GROUP_FIELDS, s, zm, s_ptr, z_ptr, k_base,
-                                        ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT, x_dtype,
-                                        INTERPRET)
+                w0, w1, w2, w3, s, zm = _wide_fields(words, words_hi, field_mask, 0, GROUP_FIELDS, s, s, s_ptr, z_ptr,
+                                                     k_base, ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS,
+                                                     CONVERT, x_dtype, INTERPRET)
                 if FIELDS == 8:
-                    w4, s, zm = _wide_field(words, words_hi, field_mask, 4, GROUP_FIELDS, s, zm, s_ptr, z_ptr,
-                                            k_base, ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT,
-                                            x_dtype, INTERPRET)
-                    w5, s, zm = _wide_field(words, words_hi, field_mask, 5, GROUP_FIELDS, s, zm, s_ptr, z_ptr,
-                                            k_base, ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT,
-                                            x_dtype, INTERPRET)
-                    w6, s, zm = _wide_field(words, words_hi, field_mask, 6, GROUP_FIELDS, s, zm, s_ptr, z_ptr,
-                                            k_base, ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT,
-                                            x_dtype, INTERPRET)
-                    w7, s, zm = _wide_field(words, words_hi, field_mask, 7, GROUP_FIELDS, s, zm, s_ptr, z_ptr,
-                                            k_base, ci, group_size, num_groups, N, n3, valid, HAS_ZERO, BITS, CONVERT,
-                                            x_dtype, INTERPRET)
+                    w4, w5, w6, w7, s, zm = _wide_fields(words, words_hi, field_mask, 4, GROUP_FIELDS, s, zm, s_ptr,
+                                                         z_ptr, k_base, ci, group_size, num_groups, N, n3, valid,
+                                                         HAS_ZERO, BITS, CONVERT, x_dtype, INTERPRET)
                     w = _chunk_operand(w0, w1, w2, w3, w4, w5, w6, w7, FIELDS, BLOCK_N)
                 else:
                     w = _chunk_operand(w0, w1, w2, w3, w0, w0, w0, w0, FIELDS, BLOCK_N)
