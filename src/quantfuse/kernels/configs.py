@@ -95,4 +95,3 @@ def split_k_reduce_pdl(device: torch.device) -> bool:
     """Launch a split-K reduce kernel with programmatic dependent launch: on the architectures of
     SPLIT_K_REDUCE_PDL, where Triton has it (never under the interpreter)."""
     return arch_key(device.type, device.index) in SPLIT_K_REDUCE_PDL and pdl_supported()
-
