@@ -2,11 +2,13 @@
 
 Rows (every time is a CUDA-graph replay median with the weights rotated past L2, see common.time_ms):
 - W4A16, group 128, symmetric, bf16 activations, on Llama-3-8B/70B linear shapes (K, N) at
-  M in {1, 16, 32, 64, 128, 1024, 4096}: ours (quantfuse.weight_only_mm, i.e. whatever path the dispatch
-  picks: fused split-K for decode, fused tiled, or dequantize + cuBLAS from cublas_min_m on), bf16 F.linear
+  M in {1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096}: ours (quantfuse.weight_only_mm, i.e. whatever path the
+  dispatch picks: fused split-K for decode, fused tiled, the Gluon wgmma kernel, or dequantize + cuBLAS), bf16 F.linear
   on the dequantized weight, and torch.ops.aten._weight_int4pack_mm (tinygemm, inner_k_tiles=8, group 128,
   zero 0 so it computes the same (q - 8) * s weight). Where the dispatch does not use the fused kernel,
-  fused_us times the fused tiled kernel forced (the data behind cublas_min_m in kernels/weight_only.py).
+  fused_us times the fused tiled kernel forced (the data behind cublas_min_m in kernels/weight_only.py);
+  where it runs the Gluon wgmma kernel, dequant_cublas_us times dequantize + cuBLAS forced as well (the
+  alternatives that kernel replaced, same run).
 - W8A16 per-channel at M in {1, 16} on the same shapes vs bf16 F.linear.
 weight_GBs = (packed weight + scales (+ zero points)) bytes / ours time; frac_copy_bw divides it by the
 device-to-device copy bandwidth measured in this run (read + write bytes per second).
@@ -30,6 +32,7 @@ import quantfuse as qf  # noqa: E402
 from quantfuse.kernels import gemv_mma as gm  # noqa: E402
 from quantfuse.kernels import gemv_tma as gt  # noqa: E402
 from quantfuse.kernels import weight_only as kw  # noqa: E402
+from quantfuse.kernels import weight_only_wgmma as ww  # noqa: E402
 from quantfuse.weights import QuantizedWeight  # noqa: E402
 
 # float32 scales: what quantize_ gives by default; BENCH_SCALE_DTYPE=bfloat16 measures the packed conversion
@@ -38,7 +41,7 @@ SCALE_DTYPE = getattr(torch, os.environ.get("BENCH_SCALE_DTYPE", "float32"))
 
 BF16 = torch.bfloat16
 LLAMA_KN = [(4096, 6144), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192)]
-W4_M = [1, 16, 32, 64, 128, 1024, 4096]
+W4_M = [1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 W8_M = [1, 16]
 GROUP = 128
 INNER_K_TILES = 8
@@ -59,6 +62,12 @@ def ours(x, qw):
 
 def fused_forced(x, qw):
     return kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, None, qw.bits, qw.group_size, qw.shape[0])
+
+
+def dequant_cublas(x, qw):
+    """The path the dispatch takes from cublas_min_m on, forced (what the Gluon wgmma rows replaced there)."""
+    w_hat = kw.dequantize(qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size, x.shape[1], x.dtype)
+    return F.linear(x, w_hat)
 
 
 def bf16_linear(x, w):
@@ -112,10 +121,13 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
     """The dispatch weight_only_mm takes (mirrors kernels/weight_only.py)."""
     dev = torch.device("cuda")
     table = kw._table(dev)
+    sm90_gluon = gt.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
+    if bits == 4 and sm90_gluon and ww.prefer(m, n, k, "sm90", SCALE_DTYPE == BF16):  # group 128: applies
+        cfg = ww.pick_config(m, n, k, dev)
+        return f"gluon wgmma {cfg.block_m}x{cfg.block_n} splitK={ww.splits_for(m, n, k, cfg, kw._num_sms(dev))}"
     if m >= table["cublas_min_m"]:
         return "dequant+cublas"
     tile = kw.pick_tile(m, dev, bits)
-    sm90_gluon = gt.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
     if bits == 4 and sm90_gluon and m <= gm.MAX_M and kw.prefer_gemv_mma(m, n, k):  # group 128 here: applies
         cfg = gm.pick_config(m, dev)
         return f"gluon mma decode {cfg.block_n}w{cfg.num_warps}" + ("" if cfg.fused_reduce else " +reduce")
@@ -164,11 +176,14 @@ def bench_shape(k, n, ms, bits, bw, rows, tinygemm_status, start):
         xs = [torch.randn(m, k, device="cuda").to(BF16) for _ in range(max(len(qw_sets), len(lin_sets)))]
         ours_ms = t(ours, [(xs[i], q) for i, q in enumerate(qw_sets)])
         row["ours_us"] = ours_ms * 1e3
-        if m >= cublas_min_m:
+        gluon_wgmma = row["path"].startswith("gluon wgmma")
+        if m >= cublas_min_m or gluon_wgmma:
             try:
                 row["fused_us"] = t(fused_forced, [(xs[i], q) for i, q in enumerate(qw_sets)]) * 1e3
             except Exception as e:  # noqa: BLE001
                 row["fused_us"] = f"error: {type(e).__name__}"
+        if gluon_wgmma:
+            row["dequant_cublas_us"] = t(dequant_cublas, [(xs[i], q) for i, q in enumerate(qw_sets)]) * 1e3
         row["bf16_us"] = t(bf16_linear, [(xs[i], wl) for i, wl in enumerate(lin_sets)]) * 1e3
         row["speedup_vs_bf16"] = row["bf16_us"] / row["ours_us"]
         if bits == 4:
@@ -215,7 +230,7 @@ def main():
         bench_shape(k, n, W8_M, 8, bw, rows, tinygemm_status, start)
 
     columns = ["scheme", "K", "N", "M", "path", "ours_us", "bf16_us", "tinygemm_us", "speedup_vs_bf16",
-               "speedup_vs_tinygemm", "weight_GBs", "frac_copy_bw", "fused_us"]
+               "speedup_vs_tinygemm", "weight_GBs", "frac_copy_bw", "fused_us", "dequant_cublas_us"]
     if tinygemm_status["ok"]:
         tg = "ok; mean rel diff vs ours at M=16: " + ", ".join(f"{s} {v:.2g}" for s, v in tinygemm_status.get("check", {}).items())
         if tinygemm_status.get("run_errors"):

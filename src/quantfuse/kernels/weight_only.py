@@ -62,6 +62,11 @@ Kernels:
   registers straight into the A operand (two weights per LOP3 + HADD2); `weight_only_mm` runs it in the measured
   M and N x K ranges of `GEMV_MMA_MIN_WEIGHTS` (M = 1 on the large shapes, 2..8 from 4096x4096 up, 9..16 from
   4096x1024 up).
+- `weight_only_wgmma` (Gluon, sm90, int4, prefill-sized M): the same w_hat into an asynchronous register-operand
+  wgmma, so converting the next chunk overlaps the current chunk's product (the `tl` kernel waits for each
+  chunk's product first); `weight_only_mm` runs it where `weight_only_wgmma.prefer` says (M = 129..1024, from
+  768 on only weights of 32M codes or more; up to 2048 with 16-bit scales), ahead of the tl wide tiles and of
+  dequantize + cuBLAS there.
 - `_dequant_kernel` writes w_hat [N, K] (for `QuantizedWeight.dequantize` and for large M, where
   dequantize-once + cuBLAS can beat the fused kernel; the crossover is data in `_DISPATCH`).
 Launchers assume the arguments were validated by `quantfuse.ops`.
@@ -75,7 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import gemv_mma, gemv_tma
+from . import gemv_mma, gemv_tma, weight_only_wgmma
 from ._common import INTERPRET, cast_to, cdiv, grid_dependency_sync, launch_kernel, next_pow2, pdl_launch_options
 from .configs import arch_key, sm_count
 
@@ -1134,9 +1139,13 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
 
 
 def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int) -> torch.Tensor:
-    """Dispatch by M: the fused kernel (split-K for decode, tiled for larger M), or for M at least
-    `cublas_min_m` dequantize once and call cuBLAS (measured faster there; see bench_weight_only.py)."""
+    """Dispatch by M: the fused kernel (split-K for decode, tiled for larger M), the Gluon wgmma kernel where
+    `weight_only_wgmma.prefer` says so (int4, sm90, prefill-sized M), or for M at least `cublas_min_m`
+    dequantize once and call cuBLAS (measured faster there; see bench_weight_only.py)."""
     m, k = x2d.shape
+    if weight_only_wgmma.applies(x2d, qweight, scales, bits, group_size) and weight_only_wgmma.prefer(
+            m, n, k, arch_key(x2d.device.type, x2d.device.index), scales.dtype == x2d.dtype):
+        return weight_only_wgmma.wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size, n)
     if x2d.is_cuda and m >= _table(x2d.device)["cublas_min_m"]:
         w_hat = dequantize(qweight, scales, zeros, bits, group_size, k, x2d.dtype)
         return torch.nn.functional.linear(x2d, w_hat, bias)

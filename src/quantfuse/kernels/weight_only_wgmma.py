@@ -1,0 +1,431 @@
+"""Weight-only INT4 GEMM for prefill-sized M on Hopper (sm90) in Gluon: the packed weight dequantized in registers
+straight into an asynchronous register-operand wgmma, so converting chunk t + 1 overlaps chunk t's product.
+
+Math (SPEC section 4): out[m, n] = sum_k x[m, k] * w_hat[n, k] (+ bias[n]) with w_hat = round(dtype, (u - z) * s),
+as `weight_only._wo_mm_kernel` (the zero point subtracted exactly before the one scaling multiply).
+
+Why: in the `tl` kernel Hopper's register-operand wgmma is waited for before the next chunk is converted
+(Triton waits for every dot whose A operand lives in registers), so the tensor cores idle during each
+conversion: ~60% of bf16 cuBLAS at M >= 1024. Gluon exposes the wgmma commit groups: here chunk t's two products
+are issued asynchronously and chunk t - 1's are retired only after them (`warpgroup_mma_wait(2)`), so the
+next conversion always runs beside a product in flight.
+
+Product: the transposed out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, K] @ x^T [K, BLOCK_M], W the register A operand
+(one 64-row warpgroup per 64 weight rows), x the shared-memory B operand (the copy engine brings each 128-code
+chunk as two [BLOCK_M, 64] boxes: 128-byte swizzle spans 64 16-bit values), K-major as wgmma wants it.
+
+No data movement between loading and the MMA: in the packed layout (`weight_only` module doc) field f of word j
+of a chunk holds k = 16 f + j, and x's order in shared memory is the natural one, so the A fragment dictates
+which words a thread loads. A 16-bit wgmma A operand (k_width 2) gives lane (r, c) of a warp k = 16 s + 2 c +
+{0, 1, 8, 9} of rows r and r + 8 for each 16-deep step s: the words j = 2 c + {0, 1, 8, 9} (two 8-byte loads per
+row), whose field s is step s. Half h of the chunk (k < 64 or >= 64) is fields 4 h .. 4 h + 3. The fields of a
+word expand into the operand by register renaming (join / permute / reshape, asserted trivial at build time).
+
+Conversion, per word (w_hat bit for bit as the `tl` kernels):
+- 16-bit scales of x's dtype (SCALE16): per register pair p, ((w >> 4 p) & 0x000F000F) | MAGIC2 is
+  (MAGIC + u, MAGIC + u') for fields p and p + 4 (one shift + one LOP3), one packed subtract of (MAGIC + z) pairs
+  (exact), one packed multiply by the scale pair (the one rounding): 1.5 instructions per weight plus the
+  regrouping of halves into k pairs.
+- float32 scales: per field, the float32 2^23 + u by one OR (LOP3 with the shift), minus 2^23 + z (exact), times
+  s (float32), rounded to x's dtype two at a time.
+
+Pipeline: STAGES shared-memory slots of x (one mbarrier each), refilled with chunk t - 1 + STAGES once chunk
+t - 1's products have retired in both warpgroups (CTA barrier). The packed words, scales and zero points of a
+chunk are loaded two chunks ahead into registers. The K loop is unrolled by two so each chunk's A operand
+registers stay fixed while its wgmma reads them (a copy of them would make ptxas serialize the wgmma).
+
+Split-K (programs over K ranges, float32 partials reduced by `weight_only.splitk_reduce`) fills the GPU where
+the tiles alone would not.
+
+Scope (`applies`): sm90 exactly, int4 codes, float16 / bfloat16 x describable by a tensor descriptor, groups of
+a power-of-two number of whole chunks or per channel. Everything else, and the Triton interpreter (Gluon has
+none), runs the `tl` kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from ._common import INTERPRET, cdiv, describable, launch_kernel
+from ._gluon import GLUON_AVAILABLE, sm90_exactly
+from .configs import arch_key, sm_count
+
+if GLUON_AVAILABLE:
+    from ._gluon import TensorDescriptor as GluonTensorDescriptor
+    from ._gluon import cta_barrier as _cta_barrier
+    from ._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from ._gluon import tile_coords as _tile_coords
+    from ._gluon import tma_load as _tma_load
+
+CHUNK = 128  # int4 codes per chunk of 16 words
+HALF = 64  # codes per x box (128 bytes of a 16-bit dtype: the swizzle span)
+WORDS_PER_CHUNK = 16
+
+
+def _convert_ptx(magic2: int, dtype: str) -> str:
+    """Four register pairs (MAGIC + u, MAGIC + u') of one int4 word ($4), minus the pair $5 (MAGIC + z twice),
+    times the pair $6 (s twice): fields p and p + 4 of the word in pair p."""
+    lines = []
+    for p in range(4):
+        src = "$4" if p == 0 else f"t{p}"
+        if p:
+            lines.append(f"shr.u32 t{p}, $4, {4 * p};")
+        lines.append(f"lop3.b32 t{p}, {src}, 0x000F000F, {magic2:#010x}, 0xea;")
+    lines += [f"sub.{dtype} t{p}, t{p}, $5;" for p in range(4)]
+    lines += [f"mul.rn.{dtype} ${p}, t{p}, $6;" for p in range(4)]
+    return "{ .reg .b32 t0, t1, t2, t3; " + " ".join(lines) + " }"
+
+
+if GLUON_AVAILABLE:  # the kernel's copies (a @jit function reads constexpr globals only)
+    _CONVERT_F16 = gl.constexpr(_convert_ptx(0x64006400, "f16x2"))
+    _CONVERT_BF16 = gl.constexpr(_convert_ptx(0x43004300, "bf16x2"))
+    _WORDS = gl.constexpr(WORDS_PER_CHUNK)
+    _HALF = gl.constexpr(HALF)
+
+
+@dataclass(frozen=True)
+class WgmmaW4Config:
+    """block_m x rows per tile (the wgmma's N: 16..256); num_warps 4 or 8 (one or two 64-row warpgroups: block_n =
+    16 x num_warps weight rows); stages x slots; programs_per_sm sets the split-K target (tiles x splits ~
+    programs_per_sm x SMs; 0: no split); row_cost: measured time per x row of a full tile relative to the
+    256-row tile, for `pick_config`'s wave model."""
+    block_m: int
+    num_warps: int = 8
+    stages: int = 4
+    programs_per_sm: int = 1
+    group: int = 8
+    row_cost: float = 1.0
+
+    @property
+    def block_n(self) -> int:
+        return 16 * self.num_warps
+
+
+# Per architecture: the candidates `pick_config` chooses from by its wave model. H100 (W4A16 g128, bf16 x, five
+# Llama-3 shapes, CUDA graphs; results/tune_weight_only_wgmma.json): at M = 2048 the 128-row tile takes 1.25x the
+# 256-row tile's time per row (728.7 vs 581.0 us at 8192x10240, 2016.7 vs 1604.5 at 28672x8192), and 4 stages
+# fit beside it (3 for the 256-row tile: 64 KiB a slot).
+WGMMA_W4_CONFIGS: Dict[str, List[WgmmaW4Config]] = {
+    "sm90": [WgmmaW4Config(256, 8, 3), WgmmaW4Config(128, 8, 4, row_cost=1.25)],
+}
+
+# Where weight_only_mm runs this kernel (`prefer`): M from min_m to max_m (max_m_16bit_scales with scales of x's
+# dtype, whose packed conversion is cheaper), and from large_m to max_m only weights of at least large_m_min_weights
+# (N x K) codes. H100, same sweeps, W4A16 g128, against the dispatch before (the tl wide tiles below M = 512,
+# dequantize + cuBLAS from 512), float32 scales: M = 192 1.2-1.4x on all five shapes, 256 1.2-1.3x, 384 1.0-1.3x,
+# 512 1.0-1.5x, 768 and 1024 1.05-1.18x from 8192x10240 / 14336x4096 up but 0.73x / 0.88x at 4096x6144 (144 / 192
+# tiles: a nearly empty last wave), 2048 0.9-1.0x; bfloat16 scales at M = 2048: 1.04-1.09x on all five.
+WGMMA_W4_DISPATCH: Dict[str, Dict[str, int]] = {
+    "sm90": dict(min_m=129, max_m=1024, max_m_16bit_scales=2048, large_m=768, large_m_min_weights=32 << 20),
+}
+
+
+def all_configs(arch: str) -> List[WgmmaW4Config]:
+    return list(WGMMA_W4_CONFIGS[arch])
+
+
+def check_config(cfg: WgmmaW4Config) -> None:
+    if cfg.num_warps not in (4, 8):
+        raise ValueError(f"config num_warps: expected 4 or 8 (one or two 64-row warpgroups), got {cfg}")
+    if cfg.block_m not in (16, 32, 64, 128, 256):
+        raise ValueError(f"config block_m: expected a power of two in 16..256 (the wgmma's N), got {cfg}")
+    if cfg.stages < 2 or cfg.programs_per_sm < 0 or cfg.group < 1 or cfg.row_cost <= 0:
+        raise ValueError(f"config: expected stages >= 2, programs_per_sm >= 0, group >= 1, row_cost > 0, got {cfg}")
+
+
+def _model_cost(m: int, n: int, k: int, cfg: WgmmaW4Config, num_sms: int) -> float:
+    """Waves of programs times each program's share of a full tile's K loop times the tile's row cost."""
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    splits = splits_for(m, n, k, cfg, num_sms)
+    waves = cdiv(tiles * splits, num_sms)
+    total = cdiv(k, CHUNK)
+    return waves * cfg.block_m * cfg.row_cost * cdiv(total, splits) / total
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device, arch: Optional[str] = None,
+                num_sms: Optional[int] = None) -> WgmmaW4Config:
+    """The candidate with the least modelled time: the 256-row tile unless its last wave or its rows past M waste
+    more than the 128-row tile's 1.25x cost per row (H100: 8192x10240 at M = 384 137.4 us vs 210.5, 4096x28672
+    at M = 384 211.6 vs 231.6; at M = 192 on 28672x8192, where both fill one wave, split-K halves the 256-row
+    tile's K loop: 193.7 us vs 240.8)."""
+    sms = num_sms or sm_count(device)
+    arch = arch or arch_key(device.type, device.index)
+    return min(WGMMA_W4_CONFIGS[arch], key=lambda c: _model_cost(m, n, k, c, sms))
+
+
+def prefer(m: int, n: int, k: int, arch: str, scale16: bool = False) -> bool:
+    """Whether weight_only_mm runs this kernel at this shape (where `applies`) on `arch` (configs.arch_key);
+    scale16: the scales are of x's dtype. WGMMA_W4_DISPATCH."""
+    rule = WGMMA_W4_DISPATCH.get(arch)
+    if rule is None or m < rule["min_m"]:
+        return False
+    if m > rule["max_m"]:
+        return scale16 and m <= rule["max_m_16bit_scales"]
+    return m < rule["large_m"] or n * k >= rule["large_m_min_weights"]
+
+
+def applies(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> bool:
+    """Whether the product can run here (module doc); the caller validated the arguments."""
+    if not GLUON_AVAILABLE or INTERPRET or not x2d.is_cuda or bits != 4:
+        return False
+    if x2d.dtype not in (torch.float16, torch.bfloat16) or not sm90_exactly(x2d.device.type, x2d.device.index):
+        return False
+    per_channel = scales.shape[0] == 1
+    chunks_per_group = group_size // CHUNK
+    whole_chunks = group_size % CHUNK == 0 and chunks_per_group & (chunks_per_group - 1) == 0
+    return ((per_channel or whole_chunks) and describable(x2d) and qweight.dtype == torch.int32
+            and qweight.stride(1) == 1 and qweight.shape[1] % WORDS_PER_CHUNK == 0
+            and scales.dtype in (torch.float32, x2d.dtype))
+
+
+if GLUON_AVAILABLE:
+
+    @gluon.constexpr_function
+    def _word_layout(a_ll):
+        """[BLOCK_N, 16 words] from the A operand's bases over (n, k) of one 64-deep half chunk: k bits 1, 2, 4, 8
+        pick the word (j = k mod 16), k bits 16, 32 are fields inside it. The 8-byte pairs (k bit 1) first."""
+        def conv(bases):
+            out = []
+            for dn, dk in bases:
+                if dk >= 16:
+                    assert dn == 0, "a basis mixing rows and fields"
+                    continue
+                out.append([dn, dk])
+            return out
+        regs = conv(a_ll.reg_bases)
+        regs = [b for b in regs if b == [0, 1]] + [b for b in regs if b != [0, 1]]
+        return gl.DistributedLinearLayout(regs, conv(a_ll.lane_bases), conv(a_ll.warp_bases), [],
+                                          [a_ll.shape[0], WORDS_PER_CHUNK])
+
+    @gluon.jit
+    def _half(v0, v1, v2, v3, a_layout: gl.constexpr):
+        """Fields f = 0..3 ([BLOCK_N, 16] each, word j) -> [BLOCK_N, 64] with k = 16 f + j, in the A operand layout."""
+        BLOCK_N: gl.constexpr = v0.shape[0]
+        q = gl.join(gl.join(v0, v1), gl.join(v2, v3))  # [n, j, f & 1, f >> 1]
+        q = gl.permute(q, (0, 3, 2, 1))  # [n, f >> 1, f & 1, j]
+        return gl.convert_layout(gl.reshape(q, [BLOCK_N, _HALF]), a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _halves(v, DT: gl.constexpr):
+        return v.to(gl.int16).to(DT, bitcast=True), (v >> 16).to(gl.int16).to(DT, bitcast=True)
+
+    @gluon.jit
+    def _inplace_field(words, F: gl.constexpr, z, s, DT: gl.constexpr):
+        """round(DT, (u - z) * s) of field F (bits 4 F..4 F + 3, F < 4) of `words`; z, s float32 [BLOCK_N, 1]."""
+        v = ((words & (0xF << (4 * F))) | 0x4B000000).to(gl.float32, bitcast=True)
+        return ((v - (z * (1 << (4 * F)) + 8388608.0)) * (s * (1.0 / (1 << (4 * F))))).to(DT)
+
+    @gluon.jit
+    def _operands(words, zero, scale, a_layout: gl.constexpr, DT: gl.constexpr, SCALE16: gl.constexpr):
+        """[BLOCK_N, 16] words of a chunk -> its two [BLOCK_N, 64] halves of w_hat in the A operand layout.
+        SCALE16: zero = (MAGIC + z) pairs, scale = s pairs (int32 [BLOCK_N]); else zero = z and scale = s (float32
+        [BLOCK_N])."""
+        if SCALE16:
+            zp = zero[:, None]
+            sp = scale[:, None]
+            if DT == gl.float16:
+                q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_F16, "=&r,=&r,=&r,=&r,r,r,r", [words, zp, sp],
+                                                           dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                           is_pure=True, pack=1)
+            else:
+                q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_BF16, "=&r,=&r,=&r,=&r,r,r,r", [words, zp, sp],
+                                                           dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                           is_pure=True, pack=1)
+            l0, h0 = _halves(q0, DT)
+            l1, h1 = _halves(q1, DT)
+            l2, h2 = _halves(q2, DT)
+            l3, h3 = _halves(q3, DT)
+            return _half(l0, l1, l2, l3, a_layout), _half(h0, h1, h2, h3, a_layout)
+        else:
+            # field f' of a 16-bit half sits at bits 4 f'..4 f' + 3: OR-ed where it lies into 2^23 (no shift) it
+            # reads 2^23 + u 2^(4 f'); minus 2^23 + z 2^(4 f') and times s 2^(-4 f') (powers of two: exact) it is
+            # (u - z) s rounded once, as with the field shifted down first
+            hi = words >> 16
+            z = zero[:, None]
+            s = scale[:, None]
+            f0 = _inplace_field(words, 0, z, s, DT)
+            f1 = _inplace_field(words, 1, z, s, DT)
+            f2 = _inplace_field(words, 2, z, s, DT)
+            f3 = _inplace_field(words, 3, z, s, DT)
+            f4 = _inplace_field(hi, 0, z, s, DT)
+            f5 = _inplace_field(hi, 1, z, s, DT)
+            f6 = _inplace_field(hi, 2, z, s, DT)
+            f7 = _inplace_field(hi, 3, z, s, DT)
+            return _half(f0, f1, f2, f3, a_layout), _half(f4, f5, f6, f7, a_layout)
+
+    @gluon.jit
+    def _load_chunk(w_ptrs, w_mask, s_ptr, z_ptr, rows, N, chunk, ok, group_chunk_shift,
+                    HAS_ZERO: gl.constexpr, SCALE16: gl.constexpr, DT: gl.constexpr):
+        """Chunk `chunk`'s words, and its group's zero term and scale in the form `_operands` takes (0 where not ok:
+        nothing past the split's last chunk is loaded)."""
+        words = gl.load(w_ptrs, mask=w_mask & ok)
+        g = chunk >> group_chunk_shift
+        row_ok = (rows < N) & ok
+        if HAS_ZERO:
+            z = gl.load(z_ptr + g * N + rows, mask=row_ok, other=0)
+        else:
+            z = gl.full_like(rows, 8)
+        if SCALE16:
+            if DT == gl.float16:
+                MAGIC: gl.constexpr = 1024
+            else:
+                MAGIC: gl.constexpr = 128
+            zz = (z + MAGIC).to(DT).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+            ss = gl.load(s_ptr + g * N + rows, mask=row_ok, other=0.0).to(gl.int16, bitcast=True).to(gl.int32)
+            ss = ss & 0xFFFF
+            return words, zz | (zz << 16), ss | (ss << 16)
+        else:
+            s = gl.load(s_ptr + g * N + rows, mask=row_ok, other=0.0)
+            return words, z.to(gl.float32), s
+
+    @gluon.jit
+    def _issue(a0, a1, x_smem, ready, t, acc, STAGES: gl.constexpr):
+        """Chunk t's two products (one per x box) into acc, left in flight."""
+        slot = t % STAGES
+        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        acc = warpgroup_mma(a0, x_smem.index(2 * slot).permute((1, 0)), acc, is_async=True)
+        return warpgroup_mma(a1, x_smem.index(2 * slot + 1).permute((1, 0)), acc, is_async=True)
+
+    @gluon.jit
+    def _refill(x_desc, x_smem, ready, t, n_steps, c_begin, off_m, STAGES: gl.constexpr):
+        """Chunk t (of this split) into slot t % STAGES, after every warp retired the slot's previous products."""
+        _cta_barrier()
+        slot = t % STAGES
+        fill = t < n_steps
+        k = (c_begin + t) * (2 * _HALF)
+        mbarrier.expect(ready.index(slot), 2 * x_desc.block_type.nbytes, pred=fill)
+        _tma_load(x_desc, [off_m, k], ready.index(slot), x_smem.index(2 * slot), pred=fill)
+        _tma_load(x_desc, [off_m, k + _HALF], ready.index(slot), x_smem.index(2 * slot + 1), pred=fill)
+
+    @gluon.jit
+    def _wo_wgmma_kernel(
+        x_desc, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+        M, N, K, stride_wn, stride_om, chunks_per_split, group_chunk_shift,
+        HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, SCALE16: gl.constexpr,
+        STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = 16 * num_warps
+        DT: gl.constexpr = x_desc.dtype
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BLOCK_M, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        w_l: gl.constexpr = _word_layout(gl.to_linear_layout(a_l, [BLOCK_N, _HALF]))
+
+        pid_n, pid_m = _tile_coords(gl.program_id(0), N, M, BLOCK_N, BLOCK_M, GROUP)
+        off_n = pid_n * BLOCK_N
+        off_m = pid_m * BLOCK_M
+        c_begin = gl.program_id(1) * chunks_per_split
+        n_steps = gl.minimum(chunks_per_split, gl.cdiv(K, 2 * _HALF) - c_begin)
+
+        x_smem = gl.allocate_shared_memory(DT, [2 * STAGES, BLOCK_M, _HALF], x_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        for s in gl.static_range(STAGES - 1):  # the loop's first refill brings chunk STAGES - 1
+            _refill(x_desc, x_smem, ready, s, n_steps, c_begin, off_m, STAGES)
+
+        rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_l))
+        rj = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, w_l))
+        w_ptrs = w_ptr + rows.to(gl.int64)[:, None] * stride_wn + c_begin * _WORDS + rj[None, :]
+        w_mask = (rows < N)[:, None] & (rj < _WORDS)[None, :]
+
+        # chunks 0 and 1 in registers; each buffer is refilled two chunks ahead once converted
+        wa, za, sa = _load_chunk(w_ptrs, w_mask, s_ptr, z_ptr, rows, N, c_begin, n_steps > 0, group_chunk_shift,
+                                 HAS_ZERO, SCALE16, DT)
+        wb, zb, sb = _load_chunk(w_ptrs + _WORDS, w_mask, s_ptr, z_ptr, rows, N, c_begin + 1, n_steps > 1,
+                                 group_chunk_shift, HAS_ZERO, SCALE16, DT)
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+        # "chunk -1": operands of zeros whose (absent) products the first wait retires
+        b0 = gl.zeros([BLOCK_N, _HALF], DT, a_l)
+        b1 = gl.zeros([BLOCK_N, _HALF], DT, a_l)
+        # whole pairs of chunks in the loop and the odd last chunk after it: a conditional issue inside the loop
+        # would leave a path on which a wgmma is still in flight when its operand registers are written again,
+        # and ptxas then serializes every wgmma of the kernel (C7513)
+        for t in range(0, n_steps - 1, 2):
+            a0, a1 = _operands(wa, za, sa, a_l, DT, SCALE16)
+            wa, za, sa = _load_chunk(w_ptrs + (t + 2) * _WORDS, w_mask, s_ptr, z_ptr, rows, N, c_begin + t + 2,
+                                     t + 2 < n_steps, group_chunk_shift, HAS_ZERO, SCALE16, DT)
+            acc = _issue(a0, a1, x_smem, ready, t, acc, STAGES)
+            acc, b0, b1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, b0, b1))
+            _refill(x_desc, x_smem, ready, t - 1 + STAGES, n_steps, c_begin, off_m, STAGES)
+            b0, b1 = _operands(wb, zb, sb, a_l, DT, SCALE16)
+            wb, zb, sb = _load_chunk(w_ptrs + (t + 3) * _WORDS, w_mask, s_ptr, z_ptr, rows, N, c_begin + t + 3,
+                                     t + 3 < n_steps, group_chunk_shift, HAS_ZERO, SCALE16, DT)
+            acc = _issue(b0, b1, x_smem, ready, t + 1, acc, STAGES)
+            acc, a0, a1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a0, a1))
+            _refill(x_desc, x_smem, ready, t + STAGES, n_steps, c_begin, off_m, STAGES)
+        if n_steps % 2 == 1:
+            a0, a1 = _operands(wa, za, sa, a_l, DT, SCALE16)
+            acc = _issue(a0, a1, x_smem, ready, n_steps - 1, acc, STAGES)
+            acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+
+        # out^T tile -> out [M, N]: 16-byte stores along N (N is contiguous in out)
+        VEC: gl.constexpr = 4 if SPLIT else 8
+        out_l: gl.constexpr = gl.BlockedLayout([VEC, 1], [BLOCK_N // VEC, 32 * VEC // BLOCK_N], [1, num_warps],
+                                               [0, 1])
+        res = gl.convert_layout(acc, out_l)
+        orows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
+        ocols = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_l))
+        mask = (orows < N)[:, None] & (ocols < M)[None, :]
+        offs = ocols.to(gl.int64)[None, :] * stride_om + orows[:, None]
+        if SPLIT:
+            gl.store(out_ptr + gl.program_id(1).to(gl.int64) * M * N + offs, res, mask=mask)
+        else:
+            if HAS_BIAS:
+                res += gl.load(bias_ptr + orows, mask=orows < N, other=0.0).to(gl.float32)[:, None]
+            gl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _x_descriptor(x2d: torch.Tensor, block_m: int):
+    dt = gl.float16 if x2d.dtype == torch.float16 else gl.bfloat16
+    layout = gl.NVMMASharedLayout.get_default_for([block_m, HALF], dt)
+    return GluonTensorDescriptor(x2d, list(x2d.shape), list(x2d.stride()), [block_m, HALF], layout)
+
+
+def splits_for(m: int, n: int, k: int, cfg: WgmmaW4Config, num_sms: int) -> int:
+    """Split-K count: enough programs for programs_per_sm x SMs where the tiles alone are fewer (1: none)."""
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    if cfg.programs_per_sm == 0 or tiles >= cfg.programs_per_sm * num_sms:
+        return 1
+    total = cdiv(k, CHUNK)
+    splits = max(1, min(total, cfg.programs_per_sm * num_sms // tiles))
+    return cdiv(total, cdiv(total, splits))
+
+
+def wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
+                config: Optional[WgmmaW4Config] = None, splits: Optional[int] = None) -> torch.Tensor:
+    """out [M, N] = x2d @ w_hat.T (+ bias) for int4 codes; the caller checked `applies` and validated the
+    arguments."""
+    from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
+
+    m, k = x2d.shape
+    cfg = config or pick_config(m, n, k, x2d.device)
+    check_config(cfg)
+    if splits is None:
+        splits = splits_for(m, n, k, cfg, sm_count(x2d.device))
+    total = cdiv(k, CHUNK)
+    chunks_per_split = cdiv(total, max(1, min(splits, total)))
+    splits = cdiv(total, chunks_per_split)
+    per_channel = scales.shape[0] == 1
+    group_chunk_shift = 30 if per_channel else (group_size // CHUNK).bit_length() - 1
+    out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
+    split = splits > 1
+    dst = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), splits)
+    launch_kernel(_wo_wgmma_kernel, grid,
+        _x_descriptor(x2d, cfg.block_m), qweight, scales, zeros if zeros is not None else scales,
+        bias if bias is not None else scales, dst,
+        m, n, k, qweight.stride(0), n, chunks_per_split, group_chunk_shift,
+        HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split, SCALE16=scales.dtype == x2d.dtype,
+        STAGES=cfg.stages, GROUP=cfg.group, num_warps=cfg.num_warps,
+    )
+    if split:
+        splitk_reduce(dst, bias, out)
+    return out

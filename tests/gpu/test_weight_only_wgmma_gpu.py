@@ -1,0 +1,151 @@
+"""The Gluon wgmma int4 kernel for prefill-sized M (kernels/weight_only_wgmma.py, sm90) on the GPU.
+
+- Identity rows of x give w_hat bit for bit (each output is one exact product: w_hat times 1, then exact zeros):
+  which field, word, group, zero point and scale lands where, for every scheme (group 128 / 256 / per channel,
+  symmetric or not, float32 scales and 16-bit scales of x's dtype), bf16 and fp16, both shipped tiles, with and
+  without split-K, K with a partial chunk and group, N not a multiple of the tile.
+- Random x against ref = x.float() @ w_hat.float().T + bias (TF32 off) within the bound of
+  test_weight_only_gpu.py: |y - ref| <= REL * ((|x| @ |w_hat|.T) + |bias|) + ABS (one output rounding and the
+  tensor cores' float32 accumulation); the worst ratio is printed.
+- NaN / inf / all-zero rows of x stay in their own output rows; padded-row x views that the copy engine cannot
+  describe fall back to the tl kernels; quantfuse.weight_only_mm dispatches here where `prefer` says; CUDA graph
+  capture and replay.
+"""
+
+import pytest
+import torch
+
+import quantfuse as qf
+from quantfuse.kernels import weight_only_wgmma as ww
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (torch.cuda.is_available() and ww.GLUON_AVAILABLE
+                                      and torch.cuda.get_device_capability() == (9, 0)),
+                                 reason="the Gluon wgmma kernel needs sm90 and Gluon")]
+
+BF16, FP16 = torch.bfloat16, torch.float16
+DEV = "cuda"
+REL = {BF16: 2.0**-7 + 2.0**-14, FP16: 2.0**-10 + 2.0**-17}
+ABS = {BF16: 0.0, FP16: 2.0**-24}
+# (group, symmetric, scale dtype; "x": the activation dtype)
+SCHEMES = [(128, True, torch.float32), (128, False, "x"), (256, False, torch.float32), (-1, True, "x"),
+           (-1, False, torch.float32)]
+CFGS = ww.all_configs("sm90")
+
+
+def _weight(n, k):
+    blocks = -(-k // 128)
+    mag = torch.exp2(torch.randint(-3, 4, (n, blocks), device=DEV).float()).repeat_interleave(128, dim=1)[:, :k]
+    return torch.randn(n, k, device=DEV) * mag
+
+
+def _quantized(n, k, scheme, dtype):
+    group, sym, sdt = scheme
+    return qf.quantize_weight(_weight(n, k), bits=4, group_size=group, symmetric=sym,
+                              scale_dtype=dtype if sdt == "x" else sdt)
+
+
+def _run(x, qw, bias=None, cfg=None, splits=None):
+    return ww.wgmma_w4_mm(x, qw.qweight, qw.scales, qw.zeros, bias, qw.group_size, qw.shape[0], config=cfg,
+                          splits=splits)
+
+
+def _check_bound(y, x, qw, bias, label):
+    w = qw.dequantize(x.dtype).float()
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        b = bias.float() if bias is not None else torch.zeros(w.shape[0], device=DEV)
+        want = x.float() @ w.t() + b
+        mag = x.float().abs() @ w.abs().t() + b.abs()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    ratio = float(((y.float() - want).abs() / (REL[y.dtype] * mag + ABS[y.dtype] + 1e-30)).max())
+    print(f"{label}: worst err / bound {ratio:.3g}")
+    assert ratio <= 1.0, label
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"g{s[0]}{'s' if s[1] else 'a'}-{str(s[2])[6:]}")
+def test_identity_rows_give_w_hat_bit_for_bit(scheme, dtype):
+    k, n = 392, 257  # 3 full chunks + 8 codes; a partial last group; N past the last full tile
+    qw = _quantized(n, k, scheme, dtype)
+    w_hat = qw.dequantize(dtype)
+    for i, cfg in enumerate(CFGS):
+        for rows, splits in ((range(0, 256), None), (range(256, k), 3)):
+            rows = torch.tensor(list(rows), device=DEV)
+            x = torch.zeros(len(rows), k, device=DEV, dtype=dtype)
+            x[torch.arange(len(rows), device=DEV), rows] = 1
+            y = _run(x, qw, cfg=cfg, splits=splits)
+            bad = int((y != w_hat[:, rows].t()).sum())
+            assert bad == 0, f"{cfg} splits={splits}: {bad} outputs differ from w_hat"
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("k,n,ms", [(4096, 6144, [1, 17, 129, 256, 1024]), (7392, 257, [200, 513]),
+                                    (200, 100, [130, 300]), (14336, 4096, [384])])
+def test_random_x_within_bound(k, n, ms, dtype):
+    for si, scheme in enumerate(SCHEMES):
+        if scheme[0] > 0 and k < scheme[0]:
+            continue
+        qw = _quantized(n, k, scheme, dtype)
+        bias = torch.randn(n, device=DEV).to(dtype)
+        for j, m in enumerate(ms):
+            x = torch.randn(m, k, device=DEV).to(dtype)
+            assert ww.applies(x, qw.qweight, qw.scales, 4, qw.group_size)
+            cfg = CFGS[(si + j) % len(CFGS)]
+            for splits in (None, 1) if j % 2 == 0 else (None, 5):
+                y = _run(x, qw, bias, cfg, splits)
+                _check_bound(y, x, qw, bias, f"{cfg.block_m} splits={splits} g{scheme[0]} K{k}N{n}M{m} {dtype}")
+
+
+def test_special_rows_stay_in_their_rows():
+    qw = _quantized(1024, 4096, SCHEMES[0], BF16)
+    x = torch.randn(300, 4096, device=DEV).to(BF16)
+    clean = _run(x, qw)
+    x[5, 17] = float("nan")
+    x[77, 3] = float("inf")
+    x[200] = 0
+    y = _run(x, qw)
+    assert torch.isnan(y[5]).all() and not torch.isfinite(y[77]).any() and (y[200] == 0).all()
+    others = torch.ones(300, dtype=torch.bool, device=DEV)
+    others[[5, 77, 200]] = False
+    assert torch.equal(y[others], clean[others])
+
+
+def test_dispatch_graph_and_fallback(monkeypatch):
+    qw = _quantized(6144, 4096, SCHEMES[0], BF16)
+    calls = []
+    real = ww.wgmma_w4_mm
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ww, "wgmma_w4_mm", spy)
+    x = torch.randn(256, 4096, device=DEV).to(BF16)
+    y = qf.weight_only_mm(x, qw)
+    assert calls == [256] and torch.equal(y, real(x, qw.qweight, qw.scales, qw.zeros, None, 128, 6144))
+    qf.weight_only_mm(x[:64], qw)  # M <= 128: the tl wide tile
+    qf.weight_only_mm(torch.randn(2048, 4096, device=DEV).to(BF16), qw)  # dequantize + cuBLAS
+    assert calls == [256]
+    # a padded-row view whose row stride (4100 x 2 bytes) no tensor descriptor takes: the tl kernels
+    xp = torch.randn(256, 4100, device=DEV).to(BF16)[:, :4096]
+    assert not ww.applies(xp, qw.qweight, qw.scales, 4, 128)
+    _check_bound(qf.weight_only_mm(xp, qw), xp, qw, None, "padded view")
+    assert calls == [256]
+    # CUDA graph capture and replay
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        qf.weight_only_mm(static_x, qw)
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = qf.weight_only_mm(static_x, qw)
+    x2 = torch.randn_like(x)
+    static_x.copy_(x2)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y, real(x2, qw.qweight, qw.scales, qw.zeros, None, 128, 6144))

@@ -1,0 +1,114 @@
+"""CPU checks of the Gluon wgmma int4 kernel for prefill-sized M (kernels/weight_only_wgmma.py): configs, scope,
+the dispatch rule and the tile model, and its sm90 build with this Triton (offline: no GPU needed), whose SASS
+must show the point of the kernel: wgmma left in flight while the next chunk converts. The GPU tests
+(tests/gpu/test_weight_only_wgmma_gpu.py) check its results."""
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+import quantfuse as qf
+from quantfuse.kernels import weight_only_wgmma as ww
+from tests._util import build_cubin_in_fresh_process
+
+
+def test_shipped_configs_are_valid_and_bad_ones_refused():
+    for cfg in ww.all_configs("sm90"):
+        ww.check_config(cfg)
+    for bad in (ww.WgmmaW4Config(96), ww.WgmmaW4Config(512), ww.WgmmaW4Config(128, 2), ww.WgmmaW4Config(128, stages=1),
+                ww.WgmmaW4Config(128, row_cost=0.0)):
+        with pytest.raises(ValueError, match="config"):
+            ww.check_config(bad)
+
+
+def test_never_applies_on_cpu_tensors():
+    qw = qf.quantize_weight(torch.randn(64, 256), bits=4, group_size=128)
+    x = torch.randn(256, 256, dtype=torch.bfloat16)
+    assert not ww.applies(x, qw.qweight, qw.scales, 4, 128)  # CPU: the tl kernels under the interpreter
+    assert qf.weight_only_mm(x, qw).shape == (256, 64)
+
+
+def test_prefer_rule():
+    assert not ww.prefer(128, 6144, 4096, "sm90")  # the tl wide tile keeps M <= 128
+    assert ww.prefer(129, 6144, 4096, "sm90") and ww.prefer(512, 6144, 4096, "sm90")
+    # from M = 768 only large weights: 4096x6144 (25M codes) lost to dequantize + cuBLAS there
+    assert not ww.prefer(768, 6144, 4096, "sm90") and not ww.prefer(1024, 6144, 4096, "sm90")
+    assert ww.prefer(1024, 4096, 14336, "sm90") and ww.prefer(768, 10240, 8192, "sm90")
+    assert not ww.prefer(1025, 10240, 8192, "sm90") and not ww.prefer(4096, 10240, 8192, "sm90")
+    # 16-bit scales (the packed conversion) up to M = 2048, on every size there
+    assert ww.prefer(2048, 6144, 4096, "sm90", scale16=True) and not ww.prefer(2049, 10240, 8192, "sm90", True)
+    assert not ww.prefer(256, 10240, 8192, "default")
+
+
+@pytest.mark.parametrize("m,n,k,block_m", [
+    (384, 10240, 8192, 128),   # 160 tiles of 256 rows: a nearly empty second wave
+    (384, 28672, 4096, 128),
+    (512, 10240, 8192, 128),
+    (192, 8192, 28672, 256),   # one wave either way; split-K halves the 256-row tile's K loop
+    (384, 4096, 14336, 256),
+    (768, 10240, 8192, 256),
+    (1024, 10240, 8192, 256),
+])
+def test_tile_model_picks_the_measured_winner(m, n, k, block_m):
+    assert ww.pick_config(m, n, k, None, arch="sm90", num_sms=132).block_m == block_m
+
+
+def test_split_k_fills_the_gpu_only_where_tiles_are_few():
+    cfg = ww.all_configs("sm90")[0]
+    assert ww.splits_for(256, 6144, 4096, cfg, 132) == 2  # 48 tiles
+    assert ww.splits_for(1024, 10240, 8192, cfg, 132) == 1
+    assert ww.splits_for(256, 100, 200, cfg, 132) == 2  # two chunks: at most one per split
+
+
+def _compile_sm90(block_m=128, num_warps=8, stages=4, dtype="bf16", scale16=False, has_zero=False, split=False):
+    """The kernel built for sm90 by this Triton (Triton internals: GluonASTSource, mangle_type, GPUTarget)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    x = torch.empty(256, 4096, dtype=tdt)
+    w = torch.empty(4096, 512, dtype=torch.int32)
+    s = torch.empty(32, 4096, dtype=tdt if scale16 else torch.float32)
+    args = dict(x_desc=ww._x_descriptor(x, block_m), w_ptr=w, s_ptr=s, z_ptr=w, bias_ptr=x, out_ptr=x)
+    consts = dict(HAS_ZERO=has_zero, HAS_BIAS=True, SPLIT=split, SCALE16=scale16, STAGES=stages, GROUP=8,
+                  num_warps=num_warps)
+    fn = ww._wo_wgmma_kernel
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else (mangle_type(args[n]) if n in args else "i32") for n in names}
+    div = {(names.index(a),): [["tt.divisibility", 16]] for a in names
+           if a.endswith("_ptr") or a in ("N", "K", "stride_wn", "stride_om")}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
+                         attrs=div)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+
+@pytest.mark.skipif(not ww.GLUON_AVAILABLE, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("build,spill_free", [
+    ("block_m=128, stages=4, dtype='bf16', has_zero=True", True),
+    ("block_m=256, stages=3, dtype='fp16', scale16=True, split=True", True),
+    # the 256-row tile with float32 scales sits at 255 registers (ptxas: 20 bytes spilled), measured as shipped
+    ("block_m=256, stages=3, dtype='bf16'", False),
+])
+def test_sm90_build_keeps_wgmma_in_flight(build, spill_free, tmp_path):
+    """The point of the kernel, on its sm90 SASS: register-operand HGMMAs whose groups are retired two at a time
+    (WARPGROUP.DEPBAR.LE gsb0, 0x2: the chunk before, while this chunk's products run), not waited for one by one
+    (a DEPBAR 0x0 behind every HGMMA, what ptxas emits when it serializes the kernel, C7513)."""
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this Triton wheel bundles no cuobjdump")
+    path = str(tmp_path / "wo_wgmma.cubin")
+    build_cubin_in_fresh_process("tests.kernels.test_weight_only_wgmma", f"_compile_sm90({build})", path)
+    sass = subprocess.check_output([cuobjdump, "-sass", path], text=True)
+    hgmma = re.findall(r"\bHGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass)
+    assert len(hgmma) >= 16, "the weight should be the register A operand of 64xNx16 HGMMAs"
+    assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x2\b", sass), "chunk t - 1 retired while chunk t runs"
+    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b", sass)) <= 4, "wgmma serialized (C7513)"
+    if spill_free:
+        assert not re.search(r"\b(STL|LDL)\b", sass), "register spills"
