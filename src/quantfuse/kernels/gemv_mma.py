@@ -54,15 +54,20 @@ WORDS_PER_CHUNK = 16
 MAX_M = 16
 
 
-def _convert_ptx(magic2: int, sub: str) -> str:
-    """Four register pairs (MAGIC + u, MAGIC + u') of one int4 word ($4), minus the pair $5 (MAGIC + z twice)."""
+def _convert_ptx(magic2: int, sub: str, mul: Optional[str] = None) -> str:
+    """Four register pairs (MAGIC + u, MAGIC + u') of one int4 word ($4), minus the pair $5 (MAGIC + z twice);
+    with `mul` (weight_only_wgmma) also times the pair $6 (s twice). Fields p and p + 4 of the word in pair p."""
     lines = []
     for p in range(4):
         src = "$4" if p == 0 else f"t{p}"
         if p:
             lines.append(f"shr.u32 t{p}, $4, {4 * p};")
         lines.append(f"lop3.b32 t{p}, {src}, 0x000F000F, {magic2:#010x}, 0xea;")
-    lines += [f"{sub} ${p}, t{p}, $5;" for p in range(4)]
+    if mul is None:
+        lines += [f"{sub} ${p}, t{p}, $5;" for p in range(4)]
+    else:
+        lines += [f"{sub} t{p}, t{p}, $5;" for p in range(4)]
+        lines += [f"{mul} ${p}, t{p}, $6;" for p in range(4)]
     return "{ .reg .b32 t0, t1, t2, t3; " + " ".join(lines) + " }"
 
 
@@ -126,6 +131,12 @@ def pick_config(m: int, device: torch.device) -> MmaDecodeConfig:
     return candidates(m, device)[0]
 
 
+def whole_chunk_groups(scales: torch.Tensor, group_size: int) -> bool:
+    """Per channel, or groups of a power-of-two number of whole 128-code chunks (a chunk never straddles groups)."""
+    chunks_per_group = group_size // CHUNK
+    return scales.shape[0] == 1 or (group_size % CHUNK == 0 and chunks_per_group & (chunks_per_group - 1) == 0)
+
+
 def applies(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
             k: int) -> bool:
     """Whether the product runs here (module doc); the caller validated the arguments."""
@@ -135,10 +146,7 @@ def applies(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits
         return False
     if not sm90_exactly(x2d.device.type, x2d.device.index):
         return False
-    per_channel = scales.shape[0] == 1
-    chunks_per_group = group_size // CHUNK
-    whole_chunks = group_size % CHUNK == 0 and chunks_per_group & (chunks_per_group - 1) == 0
-    return ((per_channel or whole_chunks)
+    return (whole_chunk_groups(scales, group_size)
             and x2d.stride(1) == 1 and qweight.dtype == torch.int32 and qweight.stride(1) == 1
             and qweight.shape[1] % WORDS_PER_CHUNK == 0)
 

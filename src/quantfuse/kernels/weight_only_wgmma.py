@@ -51,6 +51,7 @@ import torch
 
 from ._common import INTERPRET, cdiv, describable, launch_kernel
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
+from .gemv_mma import _convert_ptx, whole_chunk_groups
 from .configs import arch_key, sm_count
 
 if GLUON_AVAILABLE:
@@ -65,23 +66,9 @@ HALF = 64  # codes per x box (128 bytes of a 16-bit dtype: the swizzle span)
 WORDS_PER_CHUNK = 16
 
 
-def _convert_ptx(magic2: int, dtype: str) -> str:
-    """Four register pairs (MAGIC + u, MAGIC + u') of one int4 word ($4), minus the pair $5 (MAGIC + z twice),
-    times the pair $6 (s twice): fields p and p + 4 of the word in pair p."""
-    lines = []
-    for p in range(4):
-        src = "$4" if p == 0 else f"t{p}"
-        if p:
-            lines.append(f"shr.u32 t{p}, $4, {4 * p};")
-        lines.append(f"lop3.b32 t{p}, {src}, 0x000F000F, {magic2:#010x}, 0xea;")
-    lines += [f"sub.{dtype} t{p}, t{p}, $5;" for p in range(4)]
-    lines += [f"mul.rn.{dtype} ${p}, t{p}, $6;" for p in range(4)]
-    return "{ .reg .b32 t0, t1, t2, t3; " + " ".join(lines) + " }"
-
-
 if GLUON_AVAILABLE:  # the kernel's copies (a @jit function reads constexpr globals only)
-    _CONVERT_F16 = gl.constexpr(_convert_ptx(0x64006400, "f16x2"))
-    _CONVERT_BF16 = gl.constexpr(_convert_ptx(0x43004300, "bf16x2"))
+    _CONVERT_F16 = gl.constexpr(_convert_ptx(0x64006400, "sub.f16x2", "mul.rn.f16x2"))
+    _CONVERT_BF16 = gl.constexpr(_convert_ptx(0x43004300, "sub.bf16x2", "mul.rn.bf16x2"))
     _WORDS = gl.constexpr(WORDS_PER_CHUNK)
     _HALF = gl.constexpr(HALF)
 
@@ -173,10 +160,7 @@ def applies(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits
         return False
     if x2d.dtype not in (torch.float16, torch.bfloat16) or not sm90_exactly(x2d.device.type, x2d.device.index):
         return False
-    per_channel = scales.shape[0] == 1
-    chunks_per_group = group_size // CHUNK
-    whole_chunks = group_size % CHUNK == 0 and chunks_per_group & (chunks_per_group - 1) == 0
-    return ((per_channel or whole_chunks) and describable(x2d) and qweight.dtype == torch.int32
+    return (whole_chunk_groups(scales, group_size) and describable(x2d) and qweight.dtype == torch.int32
             and qweight.stride(1) == 1 and qweight.shape[1] % WORDS_PER_CHUNK == 0
             and scales.dtype in (torch.float32, x2d.dtype))
 
