@@ -76,6 +76,8 @@ if GLUON_AVAILABLE:  # the kernel's copies (a @jit function reads constexpr glob
     _WORDS = gl.constexpr(WORDS_PER_CHUNK)
     _CONVERT_F16 = gl.constexpr(_convert_ptx(0x64006400, "sub.f16x2"))
     _CONVERT_BF16 = gl.constexpr(_convert_ptx(0x43004300, "sub.bf16x2"))
+    _CONVERT_F16_SCALED = gl.constexpr(_convert_ptx(0x64006400, "sub.f16x2", "mul.rn.f16x2"))
+    _CONVERT_BF16_SCALED = gl.constexpr(_convert_ptx(0x43004300, "sub.bf16x2", "mul.rn.bf16x2"))
 
 
 @dataclass(frozen=True)
@@ -192,23 +194,43 @@ if GLUON_AVAILABLE:
         return v.to(gl.int16).to(DT, bitcast=True), (v >> 16).to(gl.int16).to(DT, bitcast=True)
 
     @gluon.jit
-    def _expand(words, zpair, a_layout: gl.constexpr, DT: gl.constexpr):
-        """[BLOCK_N, 16] words -> [BLOCK_N, 128] u - z in the A operand layout, k' order (module doc). Per word:
-        register pair p = ((w >> 4p) & 0x000F000F) | MAGIC2 (shift + one LOP3: ptxas splits the and / or of two
-        immediates into two LOP3s, hence the PTX) minus the pair (MAGIC + z, MAGIC + z), one packed subtract."""
-        BLOCK_N: gl.constexpr = words.shape[0]
-        if DT == gl.float16:
-            q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_F16, "=&r,=&r,=&r,=&r,r,r", [words, zpair],
-                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                       is_pure=True, pack=1)
+    def convert_word_pairs(words, zpair, spair, DT: gl.constexpr, SCALED: gl.constexpr):
+        """Each int4 word's four register pairs p = ((w >> 4p) & 0x000F000F) | MAGIC2 (shift + one LOP3: ptxas
+        splits the and / or of two immediates into two LOP3s, hence the PTX) minus the pair (MAGIC + z, MAGIC + z),
+        one packed subtract; SCALED (weight_only_wgmma): times the pair (s, s), one packed multiply. Returns the
+        halves in DT, low (field p) then high (field p + 4) for p = 0..3."""
+        if SCALED:
+            if DT == gl.float16:
+                q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_F16_SCALED, "=&r,=&r,=&r,=&r,r,r,r",
+                                                           [words, zpair, spair],
+                                                           dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                           is_pure=True, pack=1)
+            else:
+                q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_BF16_SCALED, "=&r,=&r,=&r,=&r,r,r,r",
+                                                           [words, zpair, spair],
+                                                           dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                           is_pure=True, pack=1)
         else:
-            q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_BF16, "=&r,=&r,=&r,=&r,r,r", [words, zpair],
-                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                       is_pure=True, pack=1)
+            if DT == gl.float16:
+                q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_F16, "=&r,=&r,=&r,=&r,r,r", [words, zpair],
+                                                           dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                           is_pure=True, pack=1)
+            else:
+                q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_BF16, "=&r,=&r,=&r,=&r,r,r", [words, zpair],
+                                                           dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                           is_pure=True, pack=1)
         l0, h0 = _halves(q0, DT)
         l1, h1 = _halves(q1, DT)
         l2, h2 = _halves(q2, DT)
         l3, h3 = _halves(q3, DT)
+        return l0, h0, l1, h1, l2, h2, l3, h3
+
+    @gluon.jit
+    def _expand(words, zpair, a_layout: gl.constexpr, DT: gl.constexpr):
+        """[BLOCK_N, 16] words -> [BLOCK_N, 128] u - z in the A operand layout, k' order (module doc): the pairs of
+        `convert_word_pairs`, regrouped by register renaming."""
+        BLOCK_N: gl.constexpr = words.shape[0]
+        l0, h0, l1, h1, l2, h2, l3, h3 = convert_word_pairs(words, zpair, zpair, DT, False)
         q = gl.join(gl.join(gl.join(l0, h0), gl.join(l1, h1)), gl.join(gl.join(l2, h2), gl.join(l3, h3)))
         q = gl.reshape(q, [BLOCK_N, 4, 4, 2, 2, 2])  # [n, c, blk, h, p0, p1]
         q = gl.permute(q, (0, 2, 1, 5, 4, 3))  # [n, blk, c, p1, p0, h]

@@ -1143,8 +1143,9 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
     `weight_only_wgmma.prefer` says so (int4, sm90, prefill-sized M), or for M at least `cublas_min_m`
     dequantize once and call cuBLAS (measured faster there; see bench_weight_only.py)."""
     m, k = x2d.shape
-    if weight_only_wgmma.applies(x2d, qweight, scales, bits, group_size) and weight_only_wgmma.prefer(
-            m, n, k, arch_key(x2d.device.type, x2d.device.index), scales.dtype == x2d.dtype):
+    # the shape rule first: decode calls skip the scope checks (descriptor strides, device capability)
+    if weight_only_wgmma.prefer(m, n, k, arch_key(x2d.device.type, x2d.device.index), scales.dtype == x2d.dtype) \
+            and weight_only_wgmma.applies(x2d, qweight, scales, bits, group_size):
         return weight_only_wgmma.wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size, n)
     if x2d.is_cuda and m >= _table(x2d.device)["cublas_min_m"]:
         w_hat = dequantize(qweight, scales, zeros, bits, group_size, k, x2d.dtype)

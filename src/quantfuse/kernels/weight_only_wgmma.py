@@ -51,7 +51,7 @@ import torch
 
 from ._common import INTERPRET, cdiv, describable, launch_kernel
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
-from .gemv_mma import _convert_ptx, whole_chunk_groups
+from .gemv_mma import whole_chunk_groups
 from .configs import arch_key, sm_count
 
 if GLUON_AVAILABLE:
@@ -60,6 +60,7 @@ if GLUON_AVAILABLE:
     from ._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
     from ._gluon import tile_coords as _tile_coords
     from ._gluon import tma_load as _tma_load
+    from .gemv_mma import convert_word_pairs as _convert_word_pairs
 
 CHUNK = 128  # int4 codes per chunk of 16 words
 HALF = 64  # codes per x box (128 bytes of a 16-bit dtype: the swizzle span)
@@ -67,8 +68,6 @@ WORDS_PER_CHUNK = 16
 
 
 if GLUON_AVAILABLE:  # the kernel's copies (a @jit function reads constexpr globals only)
-    _CONVERT_F16 = gl.constexpr(_convert_ptx(0x64006400, "sub.f16x2", "mul.rn.f16x2"))
-    _CONVERT_BF16 = gl.constexpr(_convert_ptx(0x43004300, "sub.bf16x2", "mul.rn.bf16x2"))
     _WORDS = gl.constexpr(WORDS_PER_CHUNK)
     _HALF = gl.constexpr(HALF)
 
@@ -193,10 +192,6 @@ if GLUON_AVAILABLE:
         return gl.convert_layout(gl.reshape(q, [BLOCK_N, _HALF]), a_layout, assert_trivial=True)
 
     @gluon.jit
-    def _halves(v, DT: gl.constexpr):
-        return v.to(gl.int16).to(DT, bitcast=True), (v >> 16).to(gl.int16).to(DT, bitcast=True)
-
-    @gluon.jit
     def _inplace_field(words, F: gl.constexpr, z, s, DT: gl.constexpr):
         """round(DT, (u - z) * s) of field F (bits 4 F..4 F + 3, F < 4) of `words`; z, s float32 [BLOCK_N, 1]."""
         v = ((words & (0xF << (4 * F))) | 0x4B000000).to(gl.float32, bitcast=True)
@@ -208,20 +203,7 @@ if GLUON_AVAILABLE:
         SCALE16: zero = (MAGIC + z) pairs, scale = s pairs (int32 [BLOCK_N]); else zero = z and scale = s (float32
         [BLOCK_N])."""
         if SCALE16:
-            zp = zero[:, None]
-            sp = scale[:, None]
-            if DT == gl.float16:
-                q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_F16, "=&r,=&r,=&r,=&r,r,r,r", [words, zp, sp],
-                                                           dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                           is_pure=True, pack=1)
-            else:
-                q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_BF16, "=&r,=&r,=&r,=&r,r,r,r", [words, zp, sp],
-                                                           dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                           is_pure=True, pack=1)
-            l0, h0 = _halves(q0, DT)
-            l1, h1 = _halves(q1, DT)
-            l2, h2 = _halves(q2, DT)
-            l3, h3 = _halves(q3, DT)
+            l0, h0, l1, h1, l2, h2, l3, h3 = _convert_word_pairs(words, zero[:, None], scale[:, None], DT, True)
             return _half(l0, l1, l2, l3, a_layout), _half(h0, h1, h2, h3, a_layout)
         else:
             # field f' of a 16-bit half sits at bits 4 f'..4 f' + 3: OR-ed where it lies into 2^23 (no shift) it
