@@ -20,9 +20,9 @@ The warp-specialized variant (`_ws_kernel`, the sm90 default; WgmmaConfig.specia
 in two 64-row warpgroups, persistent over the tiles, fed by a loader warpgroup through ready / empty mbarrier
 pairs (so neither consumer waits on the other, and the next tile's operands load during the epilogue). With
 scale_a in the transposed layout the loader also brings each step's activation scales into the slot (copy
-engine) and stores the step's weight-block scale beside them: the consumers read both from shared memory. A
-global load still in flight when a wgmma is issued holds that wgmma back, which is what the scale loads of the
-pointer path cost (probe on the H100, scales replaced by constants: 4-13% faster).
+engine) and stores the step's weight-block scale beside them (loaded three steps ahead): the consumers read both
+from shared memory. A global load still in flight when a wgmma is issued holds that wgmma back, which is what the
+scale loads of the pointer path cost (probe on the H100, scales replaced by constants: 4-13% faster).
 
 Numerics: every partial starts at zero (use_acc=False) and covers one 128-deep group, so the tensor core's
 reduced-precision accumulation spans 128 products only, as in the `tl` kernel's variant 0/2; then
@@ -273,6 +273,11 @@ if GLUON_AVAILABLE and _aggregate is not None:
             self.CONSUMER = gl.constexpr(CONSUMER)
 
     @gluon.jit
+    def _sb_at(sb_col, step, k_steps, stride_sbk):
+        """The weight block's scale at K step `step` (0 past the last step: never stored)."""
+        return gl.load(sb_col + step * stride_sbk, mask=step < k_steps, other=0.0)
+
+    @gluon.jit
     def _ws_loader(a_desc, b_desc, sa_desc, a_smem, b_smem, sa_smem, sb_smem, ready, empty, out_ptr,
                    scale_a_ptr, scale_b_ptr, bias_ptr, M, N, K, stride_om, stride_sam, stride_sak, stride_sbk,
                    stride_sbn, cfg):
@@ -289,6 +294,13 @@ if GLUON_AVAILABLE and _aggregate is not None:
         c = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, cfg.GROUP_M)
+            if cfg.SCALE_SMEM:
+                # the weight block's scales three steps ahead (sb1..sb3: steps ks..ks+2): each step's store then
+                # waits on a load issued three steps earlier instead of one whose whole latency it would sit out
+                sb_col = scale_b_ptr + (pid_n * BLOCK_N // cfg.SCALE_BLOCK) * stride_sbn
+                sb1 = _sb_at(sb_col, 0, k_steps, stride_sbk)
+                sb2 = _sb_at(sb_col, 1, k_steps, stride_sbk)
+                sb3 = _sb_at(sb_col, 2, k_steps, stride_sbk)
             for ks in range(k_steps):
                 slot = _ring_load(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m * BLOCK_M, pid_n * BLOCK_N,
                                   ks * BLOCK_K, STAGES, SA_BYTES)
@@ -298,7 +310,10 @@ if GLUON_AVAILABLE and _aggregate is not None:
                     # the weight block's scale, one float, stored by this partition (the copy engine faulted on
                     # it: an illegal instruction on the H100 with every box tried) and released by the second
                     # arrival the slot's ready barrier counts; the barrier first, so every store precedes it
-                    sb = gl.load(scale_b_ptr + ks * stride_sbk + (pid_n * BLOCK_N // cfg.SCALE_BLOCK) * stride_sbn)
+                    sb = sb1
+                    sb1 = sb2
+                    sb2 = sb3
+                    sb3 = _sb_at(sb_col, ks + 3, k_steps, stride_sbk)
                     sb_smem.index(slot).reshape([SB_WIDTH]).store(gl.full([SB_WIDTH], sb, gl.float32, sb_layout))
                     _cta_barrier()
                     mbarrier.arrive(ready.index(slot), count=1)
