@@ -140,7 +140,11 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
     splits = max(1, min(chunks, tile["programs_per_sm"] * kw._num_sms(dev) // max(1, grid)))
     per = -(-chunks // splits)
     splits = -(-chunks // per)
-    return f"fused {tile['block_m']}x{tile['block_n']} splitK={splits}"
+    # the WIDE kernel (one product per chunk): kernels/weight_only.py's rule at launch
+    num_groups = -(-k // GROUP) if bits == 4 else 1
+    wide = (tile.get("kernel", "mma") == "mma" and tile.get("wide", False) and tile.get("chunks", 1) == 1
+            and kw._scale_code(tile, num_groups, True) == 0)
+    return f"fused {'wide ' if wide else ''}{tile['block_m']}x{tile['block_n']} splitK={splits}"
 
 
 rel_err = common.mean_rel_diff

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
-import triton
 
 from ._common import INTERPRET, cdiv, launch_kernel
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
