@@ -18,11 +18,9 @@ import quantfuse as qf
 from quantfuse.kernels import gemv_mma as gm
 from quantfuse.kernels import weight_only as kw
 from tests.gpu.test_gemv_tma_gpu import _check_bound, _weight
+from tests.gpu import sm90_gluon_marks
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (torch.cuda.is_available() and gm.GLUON_AVAILABLE
-                                      and torch.cuda.get_device_capability() == (9, 0)),
-                                 reason="the Gluon decode kernel needs sm90 and Gluon")]
+pytestmark = sm90_gluon_marks("decode kernel")
 
 BF16, FP16 = torch.bfloat16, torch.float16
 DEV = "cuda"

@@ -15,11 +15,9 @@ import torch
 import quantfuse as qf
 from quantfuse.kernels import gemv_tma as gt
 from quantfuse.kernels import weight_only as kw
+from tests.gpu import sm90_gluon_marks
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (torch.cuda.is_available() and gt.GLUON_AVAILABLE
-                                      and torch.cuda.get_device_capability() == (9, 0)),
-                                 reason="the Gluon GEMV needs sm90 and Gluon")]
+pytestmark = sm90_gluon_marks("GEMV")
 
 BF16, FP16 = torch.bfloat16, torch.float16
 DEV = "cuda"

@@ -17,11 +17,9 @@ import torch
 
 import quantfuse as qf
 from quantfuse.kernels import weight_only_wgmma as ww
+from tests.gpu import sm90_gluon_marks
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (torch.cuda.is_available() and ww.GLUON_AVAILABLE
-                                      and torch.cuda.get_device_capability() == (9, 0)),
-                                 reason="the Gluon wgmma kernel needs sm90 and Gluon")]
+pytestmark = sm90_gluon_marks("wgmma kernel")
 
 BF16, FP16 = torch.bfloat16, torch.float16
 DEV = "cuda"
