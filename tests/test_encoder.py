@@ -650,6 +650,30 @@ def test_encoder_reference_packed_equals_padded_and_left_padding(tiny):
         assert torch.equal(again, packed)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_encoder_padded_defaults_and_kept_constants(tiny, backend):
+    """The padded path without a mask equals an all-ones mask, without token types equals zero types (and real
+    types change the result), and the positions / types / sequence starts kept per (batch, seq) give the same
+    output when reused."""
+    _, encs = tiny[0.02]
+    e = encs[2]
+    ids, mask = u.random_batch(2, 16, vocab=VOCAB)
+    ones = torch.ones_like(mask)
+    types = torch.randint(0, 2, ids.shape)
+    with ops.backend(backend):
+        e._padded_cache.clear()
+        first = e(ids, None, remove_padding=False)
+        assert (2, 16, "cpu") in e._padded_cache
+        again = e(ids, None, remove_padding=False)
+        with_mask = e(ids, ones, remove_padding=False)
+        zero_types = e(ids, ones, token_type_ids=torch.zeros_like(ids), remove_padding=False)
+        typed = e(ids, ones, token_type_ids=types, remove_padding=False)
+        packed = e(ids, None, remove_padding=True)
+    assert torch.equal(first, again) and torch.equal(first, with_mask) and torch.equal(first, zero_types)
+    assert torch.equal(first, packed)
+    assert not torch.equal(first, typed)
+
+
 def test_encoder_all_padding_batch(tiny):
     _, encs = tiny[0.02]
     ids, mask = u.random_batch(2, 8, vocab=VOCAB, lengths=[0, 0])
@@ -817,6 +841,8 @@ def test_forward_bad_arguments(tiny):
         e(ids.tolist(), mask)
     with pytest.raises(ValueError, match="attention_mask"):
         e(ids, mask[:, :4])
+    with pytest.raises(ValueError, match="token_type_ids"):
+        e(ids, mask, token_type_ids=torch.zeros(2, 4, dtype=torch.long))
 
 
 @pytest.mark.parametrize(

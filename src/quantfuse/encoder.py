@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -430,6 +430,7 @@ class Int8Encoder(torch.nn.Module):
             raise ValueError(f"mode: expected 1 (fp16 residual/output) or 2 (int8 residual/output), got {mode!r}")
         self.mode = mode
         self.calibrator = calibrator
+        self._padded_cache: Dict[tuple, Tuple[Tensor, Tensor, Tensor]] = {}
         self.hidden = fp.hidden
         self.heads = fp.heads
         self.head_dim = fp.hidden // fp.heads
@@ -574,24 +575,48 @@ class Int8Encoder(torch.nn.Module):
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected a [batch, seq] tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
         b, s = input_ids.shape
+        if attention_mask is not None and tuple(attention_mask.shape) != (b, s):
+            raise ValueError(f"attention_mask: expected shape {(b, s)}, got {tuple(attention_mask.shape)}")
+        if token_type_ids is not None and tuple(token_type_ids.shape) != (b, s):
+            raise ValueError(f"token_type_ids: expected shape {(b, s)}, got {tuple(token_type_ids.shape)}")
+        if not remove_padding:
+            # the padded path: positions, zero token types and sequence starts depend on (b, s) only
+            positions, zero_types, cu = self._padded_constants(b, s, input_ids.device)
+            types = zero_types if token_type_ids is None else token_type_ids.reshape(-1)
+            # no mask: every key attends (the kernels skip the mask); else nonzero = attend, the bool's byte
+            # reinterpreted as int8 (one kernel, not a compare and a conversion)
+            key_mask = None if attention_mask is None else (attention_mask.reshape(-1) != 0).view(torch.int8)
+            # cu holds multiples of s: the attention may assume 16-aligned sequence starts when s is a multiple
+            # of 16
+            return self._layers(input_ids.reshape(-1), types, positions, cu, s, key_mask,
+                                aligned_starts=s % 16 == 0).view(b, s, self.hidden)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        if tuple(attention_mask.shape) != (b, s):
-            raise ValueError(f"attention_mask: expected shape {(b, s)}, got {tuple(attention_mask.shape)}")
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         positions = torch.arange(s, device=input_ids.device).expand(b, s)
-        if remove_padding:
-            pk = packed or pack_mask(attention_mask)
-            idx = pk.indices
-            gather = pk.gather if pk.gather is not None else idx
-            out_packed = self.forward_packed(input_ids.reshape(-1)[gather], token_type_ids.reshape(-1)[gather],
-                                             positions.reshape(-1)[gather], pk.cu_seqlens, pk.max_seqlen)
-            out = torch.zeros((b * s, self.hidden), dtype=torch.float16, device=input_ids.device)
-            out[idx] = out_packed[:idx.numel()]
-            return out.view(b, s, self.hidden)
-        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=input_ids.device)
-        key_mask = (attention_mask.reshape(-1) != 0).to(torch.int8)
-        # cu holds multiples of s: the attention may assume 16-aligned sequence starts when s is a multiple of 16
-        return self._layers(input_ids.reshape(-1), token_type_ids.reshape(-1), positions.reshape(-1), cu, s, key_mask,
-                            aligned_starts=s % 16 == 0).view(b, s, self.hidden)
+        pk = packed or pack_mask(attention_mask)
+        idx = pk.indices
+        gather = pk.gather if pk.gather is not None else idx
+        out_packed = self.forward_packed(input_ids.reshape(-1)[gather], token_type_ids.reshape(-1)[gather],
+                                         positions.reshape(-1)[gather], pk.cu_seqlens, pk.max_seqlen)
+        out = torch.zeros((b * s, self.hidden), dtype=torch.float16, device=input_ids.device)
+        out[idx] = out_packed[:idx.numel()]
+        return out.view(b, s, self.hidden)
+
+    def _padded_constants(self, b: int, s: int, device: torch.device) -> Tuple[Tensor, Tensor, Tensor]:
+        """(positions int64 [b * s], zero token types int64 [b * s], cu_seqlens int32 [b + 1]) of a padded
+        [b, s] batch, kept per (b, s, device) so that a forward launches no kernels to rebuild them (each one a
+        launch in a CUDA graph). Not kept while a CUDA graph is being captured: memory allocated there belongs
+        to the graph's pool."""
+        key = (b, s, str(device))
+        hit = self._padded_cache.get(key)
+        if hit is not None:
+            return hit
+        made = (torch.arange(s, device=device).repeat(b), torch.zeros(b * s, dtype=torch.int64, device=device),
+                torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device))
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if len(self._padded_cache) >= 16:
+                self._padded_cache.pop(next(iter(self._padded_cache)))
+            self._padded_cache[key] = made
+        return made

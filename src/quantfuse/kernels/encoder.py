@@ -667,12 +667,21 @@ def _int8_attention_kernel(
         # Scores stay raw (exact integers in float32) up to the exponential: exp(s - m) with s = f * c is
         # exp2(f * c2 - m_f * c2), c2 = c * log2(e), one FFMA per score; the row max m_f is taken on raw scores.
         if ONE_PASS:
+            if ALIGNED:
+                # V^T's 16-byte loads issued before the scores, so their latency hides under Q.K^T and the
+                # softmax (H100, CUDA graphs, the table's 64-row tile, same run as the kernel before:
+                # results/tune_encoder_attention_hoist.json: 32x128 tokens 14.3 vs 14.8 us, 128x128 35.7 vs
+                # 37.2, 1x128 7.0 vs 7.4, 8x128 8.3 vs 8.2; a scratch variant holding the packed path's byte
+                # loads that long lost 1.3-1.8 us, so they stay after the softmax)
+                vt = tl.load(vt_base + d[:, None] * stride_vt + (kstart + tl.arange(0, BLOCK_N))[None, :],
+                             mask=(tl.arange(0, BLOCK_N) < vlen)[None, :], other=0)
             f, cols = _raw_scores(q, k_base, key_mask_ptr, kstart, 0, lead, klen, HEAD_DIM, HAS_MASK, BLOCK_N)
             m_scaled = _scaled_row_max(tl.max(f, 1), score_scale_log2)
             e = exp2_approx(tl.fma(f, score_scale_log2, -m_scaled[:, None]), INTERPRET)
             p_q = to_int8_sat_nonneg(e * _p_factor(tl.sum(e, 1), inv_p_scale)[:, None])
-            vt = tl.load(vt_base + d[:, None] * stride_vt + (kstart + cols)[None, :], mask=(cols < vlen)[None, :],
-                         other=0)
+            if not ALIGNED:
+                vt = tl.load(vt_base + d[:, None] * stride_vt + (kstart + cols)[None, :],
+                             mask=(cols < vlen)[None, :], other=0)
             acc = tl.dot(p_q, tl.trans(vt), out_dtype=tl.int32)
         else:
             # Pass 1: row max (raw) and normaliser (base 2: score_scale_log2 folds in log2(e)).
