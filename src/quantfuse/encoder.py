@@ -610,13 +610,14 @@ class Int8Encoder(torch.nn.Module):
         launch in a CUDA graph). Not kept while a CUDA graph is being captured: memory allocated there belongs
         to the graph's pool."""
         key = (b, s, str(device))
-        hit = self._padded_cache.get(key)
+        cache = self.__dict__.setdefault("_padded_cache", {})  # a module pickled before the cache existed has none
+        hit = cache.get(key)
         if hit is not None:
             return hit
         made = (torch.arange(s, device=device).repeat(b), torch.zeros(b * s, dtype=torch.int64, device=device),
                 torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device))
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            if len(self._padded_cache) >= 16:
-                self._padded_cache.pop(next(iter(self._padded_cache)))
-            self._padded_cache[key] = made
+            if len(cache) >= 16:
+                cache.pop(next(iter(cache)))
+            cache[key] = made
         return made
