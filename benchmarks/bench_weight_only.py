@@ -142,8 +142,7 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
     splits = -(-chunks // per)
     # the WIDE kernel (one product per chunk): kernels/weight_only.py's rule at launch
     num_groups = -(-k // GROUP) if bits == 4 else 1
-    wide = (tile.get("kernel", "mma") == "mma" and tile.get("wide", False) and tile.get("chunks", 1) == 1
-            and kw._scale_code(tile, num_groups, True) == 0)
+    wide = kw.runs_wide(tile, kw._scale_code(tile, num_groups, True))
     return f"fused {'wide ' if wide else ''}{tile['block_m']}x{tile['block_n']} splitK={splits}"
 
 

@@ -194,31 +194,36 @@ if GLUON_AVAILABLE:
         return v.to(gl.int16).to(DT, bitcast=True), (v >> 16).to(gl.int16).to(DT, bitcast=True)
 
     @gluon.jit
+    def half_pair(h):
+        """A 16-bit value twice in one int32 register pair (the packed conversion's per-row operands)."""
+        v = h.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        return v | (v << 16)
+
+    @gluon.jit
+    def magic_zero_pair(z, DT: gl.constexpr):
+        """(MAGIC + z, MAGIC + z) in DT (MAGIC 1024 in float16, 128 in bfloat16: the conversion's magic number)."""
+        if DT == gl.float16:
+            MAGIC: gl.constexpr = 1024
+        else:
+            MAGIC: gl.constexpr = 128
+        return half_pair((z + MAGIC).to(DT))
+
+    @gluon.jit
     def convert_word_pairs(words, zpair, spair, DT: gl.constexpr, SCALED: gl.constexpr):
         """Each int4 word's four register pairs p = ((w >> 4p) & 0x000F000F) | MAGIC2 (shift + one LOP3: ptxas
         splits the and / or of two immediates into two LOP3s, hence the PTX) minus the pair (MAGIC + z, MAGIC + z),
         one packed subtract; SCALED (weight_only_wgmma): times the pair (s, s), one packed multiply. Returns the
         halves in DT, low (field p) then high (field p + 4) for p = 0..3."""
         if SCALED:
-            if DT == gl.float16:
-                q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_F16_SCALED, "=&r,=&r,=&r,=&r,r,r,r",
-                                                           [words, zpair, spair],
-                                                           dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                           is_pure=True, pack=1)
-            else:
-                q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_BF16_SCALED, "=&r,=&r,=&r,=&r,r,r,r",
-                                                           [words, zpair, spair],
-                                                           dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                           is_pure=True, pack=1)
+            ASM: gl.constexpr = _CONVERT_F16_SCALED if DT == gl.float16 else _CONVERT_BF16_SCALED
+            q0, q1, q2, q3 = gl.inline_asm_elementwise(ASM, "=&r,=&r,=&r,=&r,r,r,r", [words, zpair, spair],
+                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                       is_pure=True, pack=1)
         else:
-            if DT == gl.float16:
-                q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_F16, "=&r,=&r,=&r,=&r,r,r", [words, zpair],
-                                                           dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                           is_pure=True, pack=1)
-            else:
-                q0, q1, q2, q3 = gl.inline_asm_elementwise(_CONVERT_BF16, "=&r,=&r,=&r,=&r,r,r", [words, zpair],
-                                                           dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                           is_pure=True, pack=1)
+            ASM: gl.constexpr = _CONVERT_F16 if DT == gl.float16 else _CONVERT_BF16
+            q0, q1, q2, q3 = gl.inline_asm_elementwise(ASM, "=&r,=&r,=&r,=&r,r,r", [words, zpair],
+                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                       is_pure=True, pack=1)
         l0, h0 = _halves(q0, DT)
         l1, h1 = _halves(q1, DT)
         l2, h2 = _halves(q2, DT)
@@ -269,10 +274,9 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _chunk_product(acc, w, xv, s, z, a_l: gl.constexpr, b_l: gl.constexpr, DT: gl.constexpr,
-                       MAGIC: gl.constexpr, PER_CHANNEL: gl.constexpr):
+                       PER_CHANNEL: gl.constexpr):
         """acc + (u - z) x over one chunk, scaled by the chunk's group scale (per channel: after the K loop)."""
-        zz = (z + MAGIC).to(DT).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-        a = _expand(w, (zz | (zz << 16))[:, None], a_l, DT)
+        a = _expand(w, magic_zero_pair(z, DT)[:, None], a_l, DT)
         b = _x_operand(xv, b_l)
         if PER_CHANNEL:
             return mma_v2(a, b, acc)
@@ -295,10 +299,6 @@ if GLUON_AVAILABLE:
         w_l: gl.constexpr = _word_layout(gl.to_linear_layout(a_l, [BLOCK_N, _CHUNK]))
         x_l: gl.constexpr = _x_layout(gl.to_linear_layout(b_l, [_CHUNK, MP]))
         DT: gl.constexpr = x_ptr.dtype.element_ty
-        if DT == gl.float16:
-            MAGIC: gl.constexpr = 1024
-        else:
-            MAGIC: gl.constexpr = 128
 
         pid_n = gl.program_id(0)
         pid_s = gl.program_id(1)
@@ -330,12 +330,12 @@ if GLUON_AVAILABLE:
                                      c_begin + 1, n_steps > 1, group_chunk_shift, HAS_ZERO, PER_CHANNEL, EVEN_K)
         acc = gl.zeros([BLOCK_N, MP], gl.float32, mma)
         for t in range(0, n_steps, 2):
-            acc = _chunk_product(acc, wa, xa, sa, za, a_l, b_l, DT, MAGIC, PER_CHANNEL)
+            acc = _chunk_product(acc, wa, xa, sa, za, a_l, b_l, DT, PER_CHANNEL)
             wa, xa, sa, za = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z,
                                          N, c_begin + t + 2, t + 2 < n_steps, group_chunk_shift, HAS_ZERO,
                                          PER_CHANNEL, EVEN_K)
             if t + 1 < n_steps:
-                acc = _chunk_product(acc, wb, xb, sb, zb, a_l, b_l, DT, MAGIC, PER_CHANNEL)
+                acc = _chunk_product(acc, wb, xb, sb, zb, a_l, b_l, DT, PER_CHANNEL)
             wb, xb, sb, zb = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z,
                                          N, c_begin + t + 3, t + 3 < n_steps, group_chunk_shift, HAS_ZERO,
                                          PER_CHANNEL, EVEN_K)

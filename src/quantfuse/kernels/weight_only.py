@@ -1118,7 +1118,7 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     scale_code = _scale_code(tile, scales.shape[0], mma)
     group = _effective_group(group_size, k)
     if mma:
-        extra = dict(FUSED_REDUCE=fused, WIDE=bool(tile.get("wide", False)) and scale_code == 0 and chunks == 1)
+        extra = dict(FUSED_REDUCE=fused, WIDE=runs_wide(tile, scale_code))
     else:
         # group_shift: the GEMV's per-group scaling (SCALE 1) locates groups by shift; group sizes with
         # several groups are powers of two (validated by quantfuse.ops / QuantizedWeight)
@@ -1136,6 +1136,13 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     if split and not fused:
         splitk_reduce(part, bias, out)
     return out
+
+
+def runs_wide(tile: dict, scale_code: int) -> bool:
+    """Whether a launch of `tile` takes `_wo_mm_kernel`'s WIDE path (one product per chunk): a wide mma tile of
+    one chunk per iteration with the scale before the dot (`_scale_code` 0)."""
+    return (tile.get("kernel", "mma") == "mma" and bool(tile.get("wide", False)) and tile.get("chunks", 1) == 1
+            and scale_code == 0)
 
 
 def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int) -> torch.Tensor:

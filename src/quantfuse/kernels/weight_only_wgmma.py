@@ -61,6 +61,8 @@ if GLUON_AVAILABLE:
     from ._gluon import tile_coords as _tile_coords
     from ._gluon import tma_load as _tma_load
     from .gemv_mma import convert_word_pairs as _convert_word_pairs
+    from .gemv_mma import half_pair as _half_pair
+    from .gemv_mma import magic_zero_pair as _magic_zero_pair
 
 CHUNK = 128  # int4 codes per chunk of 16 words
 HALF = 64  # codes per x box (128 bytes of a 16-bit dtype: the swizzle span)
@@ -235,14 +237,7 @@ if GLUON_AVAILABLE:
         else:
             z = gl.full_like(rows, 8)
         if SCALE16:
-            if DT == gl.float16:
-                MAGIC: gl.constexpr = 1024
-            else:
-                MAGIC: gl.constexpr = 128
-            zz = (z + MAGIC).to(DT).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-            ss = gl.load(s_ptr + g * N + rows, mask=row_ok, other=0.0).to(gl.int16, bitcast=True).to(gl.int32)
-            ss = ss & 0xFFFF
-            return words, zz | (zz << 16), ss | (ss << 16)
+            return words, _magic_zero_pair(z, DT), _half_pair(gl.load(s_ptr + g * N + rows, mask=row_ok, other=0.0))
         else:
             s = gl.load(s_ptr + g * N + rows, mask=row_ok, other=0.0)
             return words, z.to(gl.float32), s
