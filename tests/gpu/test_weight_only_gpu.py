@@ -225,10 +225,10 @@ def test_dequantize_kernel_bitwise_vs_reference_gpu(bits, group_size, symmetric)
 # (bits, group_size, symmetric, dtype, tile indices into the sm90 table)
 IDENTITY_CASES = [
     (4, 32, False, FP16, (0, 1)),
-    (4, 128, True, BF16, (2, 3)),
-    (8, 64, False, BF16, (0, 3)),
+    (4, 128, True, BF16, (3, 4)),
+    (8, 64, False, BF16, (0, 2, 4)),
     (8, -1, True, FP16, (1, 2)),
-    (4, 256, False, BF16, (0, 3)),
+    (4, 256, False, BF16, (0, 4)),
 ]
 
 

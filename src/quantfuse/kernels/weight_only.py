@@ -124,6 +124,12 @@ _DISPATCH = {
                  kernel="gemv", convert="inplace", scale="auto"),
             dict(max_m=1, block_m=1, block_n=64, num_warps=4, num_stages=2, programs_per_sm=8, chunks=1,
                  kernel="gemv", convert="inplace", scale="auto"),
+            # int8 weights (no Gluon decode kernel for them): the same tile with one product per chunk
+            # (tune_weight_only_wide_decode_w8.json, W8A16 per channel, five shapes, M = 8 and 16: 17.5-135.9 us
+            # against 18.2-139.5 one field at a time); for int4 it lost on 4 of 5 shapes
+            # (tune_weight_only_wide_decode_w4.json), so the row below stays one field at a time
+            dict(max_m=16, bits=8, block_m=16, block_n=128, num_warps=4, num_stages=3, programs_per_sm=4,
+                 chunks=1, kernel="mma", convert="packed", scale="auto", wide=True),
             dict(max_m=16, block_m=16, block_n=128, num_warps=4, num_stages=3, programs_per_sm=4,
                  chunks=1, kernel="mma", convert="packed", scale="auto"),
             # one product per chunk, 4 stages (tune_weight_only_wide2.json, float32 scales, the five shapes: 14.5-78.9
