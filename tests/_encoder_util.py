@@ -153,29 +153,38 @@ def layernorm_case(m, n, device, write_fp16, with_int8=True):
     return out, ref
 
 
-def embed_case(m, n, device, write_fp16, column=False, vocab=50, max_pos=40, types=2, bad=None):
+def embed_case(m, n, device, write_fp16, column=False, vocab=50, max_pos=40, types=2, bad=None, source=None):
     """The embedding-gather LayerNorm (kernel) against the same kernel on the torch-gathered fp16 sum (must
     be bit-identical: the gather changes where y comes from, not the math) and against the reference.
-    bad: a row given an out-of-range word id."""
+    bad: a row given an out-of-range word id. source: ids / types / positions hold `source` tokens and row r
+    is token gather[r] (random, repeats included; with bad, row `bad` gets the out-of-range index `source`)."""
     word = (torch.randn(vocab, n, device=device) * 2).half()
     pos = torch.randn(max_pos, n, device=device).half()
     typ = (torch.randn(types, n, device=device) * 0.5).half()
-    ids = torch.randint(0, vocab, (m,), device=device)
-    tt = torch.randint(0, types, (m,), device=device, dtype=torch.int32)
-    positions = torch.randint(0, max_pos, (m,), device=device)
+    count = m if source is None else source
+    ids = torch.randint(0, vocab, (count,), device=device)
+    tt = torch.randint(0, types, (count,), device=device, dtype=torch.int32)
+    positions = torch.randint(0, max_pos, (count,), device=device)
+    gather = None if source is None else torch.randint(0, source, (m,), device=device)
+    extra = () if gather is None else (gather,)
     gamma = (torch.rand(n, device=device) + 0.5).float()
     beta = (torch.randn(n, device=device) * 0.1).float()
     scale = (enc._f32(4.0 / 127) * 2.0 ** torch.empty(n, device=device).uniform_(-1, 1)).float() if column \
         else 4.0 / 127
     ref = enc.reference_layernorm_quant(word, gamma, beta, 1e-12, scale, write_fp16,
-                                        embed=(ids, tt, positions, typ, pos))
+                                        embed=(ids, tt, positions, typ, pos) + extra)
     if bad is not None:
-        ids[bad] = vocab
+        if gather is None:
+            ids[bad] = vocab
+        else:
+            gather[bad] = source
     with ops.backend("triton"):
         from quantfuse.kernels import encoder as ke
 
-        out = ke.layernorm_quant(word, gamma, beta, 1e-12, scale, write_fp16, embed=(ids, tt, positions, typ, pos))
+        out = ke.layernorm_quant(word, gamma, beta, 1e-12, scale, write_fp16,
+                                 embed=(ids, tt, positions, typ, pos) + extra)
+        rows = torch.arange(m, device=device) if gather is None else gather.clamp(max=source - 1)
         ids_ok = ids.clamp(max=vocab - 1)
-        emb16 = enc.reference_embedding_sum(word, pos, typ, ids_ok, positions, tt)
+        emb16 = enc.reference_embedding_sum(word, pos, typ, ids_ok[rows], positions[rows], tt[rows])
         plain = ke.layernorm_quant(emb16, gamma, beta, 1e-12, scale, write_fp16)
     return out, plain, ref

@@ -514,6 +514,23 @@ def test_layernorm_dequant_fp16_output():
     assert torch.equal(r16, (r8.float() * s).half())
 
 
+@pytest.mark.parametrize("m,source", [(1, 5), (37, 20), (40, 64)])
+def test_embedding_layernorm_through_a_gather(m, source):
+    """The packed path's token selection inside the embedding kernel (row r = token gather[r] of `source`,
+    repeats included): bit-identical to the kernel on the torch-gathered sum, the reference within one code."""
+    (o16, o8), (p16, p8), (r16, r8) = u.embed_case(m, 96, DEV, True, source=source)
+    assert torch.equal(o8, p8) and torch.equal(o16, p16)
+    u.assert_int8_close(o8, r8)
+    torch.testing.assert_close(o16.float(), r16.float(), rtol=1e-3, atol=2e-3)
+
+
+def test_embedding_out_of_range_gather_gives_a_nan_row():
+    (o16, _), (p16, _), _ = u.embed_case(9, 64, DEV, True, bad=4, source=12)
+    assert torch.isnan(o16[4]).all()
+    keep = torch.arange(9) != 4
+    assert torch.equal(o16[keep], p16[keep])
+
+
 def test_embedding_out_of_range_id_gives_a_nan_row():
     (o16, o8), (p16, _), _ = u.embed_case(9, 64, DEV, True, bad=4)
     assert torch.isnan(o16[4]).all()
@@ -529,6 +546,10 @@ def test_embedding_layernorm_bad_inputs():
         ke.layernorm_quant(word, g, b, 1e-12, 0.1, True, embed=(ids, ids, ids, typ, pos.float()))
     with pytest.raises(ValueError, match="positions: expected a contiguous int32/int64 \\[5\\]"):
         ke.layernorm_quant(word, g, b, 1e-12, 0.1, True, embed=(ids, ids, ids[:4], typ, pos))
+    with pytest.raises(ValueError, match="gather: expected a contiguous int32/int64 \\[M\\]"):
+        ke.layernorm_quant(word, g, b, 1e-12, 0.1, True, embed=(ids, ids, ids, typ, pos, ids.float()))
+    with pytest.raises(ValueError, match="embed: expected \\(input_ids"):
+        ke.layernorm_quant(word, g, b, 1e-12, 0.1, True, embed=(ids, ids, ids, typ))
 
 
 def test_layernorm_fp16_only():
@@ -669,9 +690,20 @@ def test_encoder_padded_defaults_and_kept_constants(tiny, backend):
         zero_types = e(ids, ones, token_type_ids=torch.zeros_like(ids), remove_padding=False)
         typed = e(ids, ones, token_type_ids=types, remove_padding=False)
         packed = e(ids, None, remove_padding=True)
+        # the packed path takes token types (and ids, positions) through the embedding kernel's gather
+        part = mask.clone()
+        part[1, 9:] = 0
+        typed_packed = e(ids, part, token_type_ids=types, remove_padding=True)
+        typed_padded = e(ids, part, token_type_ids=types, remove_padding=False)
+        untyped_packed = e(ids, part, remove_padding=True)
+        with pytest.raises(ValueError, match=r"packed: made for a \[2, 16\] batch, input_ids is \[1, 16\]"):
+            e(ids[:1], part[:1], packed=pack_mask(part))
     assert torch.equal(first, again) and torch.equal(first, with_mask) and torch.equal(first, zero_types)
     assert torch.equal(first, packed)
     assert not torch.equal(first, typed)
+    v = part.bool()
+    assert torch.equal(typed_packed[v], typed_padded[v]) and not torch.equal(typed_packed[v], untyped_packed[v])
+    assert int(typed_packed[~v].abs().max()) == 0
 
 
 def test_encoder_all_padding_batch(tiny):

@@ -163,10 +163,14 @@ def reference_embedding_sum(word, pos, typ, ids, positions, types):
 def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=None, dequant_fp16=False):
     """o = (y - mean) / sqrt(var + eps) * gamma + beta per row (float32); fp16 copy if asked; int8
     sat(rne(o' / s_out)) with o' the fp16 copy when written, else o. embed = (input_ids, token_type_ids,
-    positions, type_table, pos_table): y is the word table and the rows fp16(word[ids] + pos[positions] +
-    type[types]), summed in float32 in that order. dequant_fp16: the fp16 output is fp16(float(q) * s_out)."""
+    positions, type_table, pos_table[, gather]): y is the word table and the rows fp16(word[ids] + pos[positions]
+    + type[types]), summed in float32 in that order (with gather, row r is token gather[r]). dequant_fp16: the
+    fp16 output is fp16(float(q) * s_out)."""
     if embed is not None:
-        ids, types, positions, type_emb, pos_emb = embed
+        ids, types, positions, type_emb, pos_emb = embed[:5]
+        if len(embed) == 6:  # row r is token gather[r]
+            gather = embed[5].long()
+            ids, types, positions = ids[gather], types[gather], positions[gather]
         y = reference_embedding_sum(y, pos_emb, type_emb, ids, positions, types)
     yf = y.float()
     centered = yf - yf.mean(-1, keepdim=True)
@@ -524,16 +528,20 @@ class Int8Encoder(torch.nn.Module):
 
     # -- forward -----------------------------------------------------------------------------------
     def _layers(self, input_ids: Tensor, token_type_ids: Tensor, positions: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int, key_mask: Optional[Tensor], aligned_starts: bool = False) -> Tensor:
-        """Tokens [T] (ids, token types, positions) -> the last layer's hidden states [T, H] fp16."""
+                max_seqlen: int, key_mask: Optional[Tensor], aligned_starts: bool = False,
+                gather: Optional[Tensor] = None) -> Tensor:
+        """Tokens [T] (ids, token types, positions) -> the last layer's hidden states [T, H] fp16. With gather
+        (int64 [T]), token r is entry gather[r] of ids / types / positions (the padded batch's flat tokens)."""
         ops = _ops_for(self.word_emb)
         mode1 = self.mode == 1
         s_in = self.scales["in"]
-        # the embedding sum, its LayerNorm and the first quantization in one kernel
+        # the embedding sum, its LayerNorm and the first quantization in one kernel (and the packed path's
+        # token selection: no torch gathers)
+        embed = (input_ids.contiguous(), token_type_ids.contiguous(), positions.contiguous(), self.token_type,
+                 self.pos_emb) + (() if gather is None else (gather,))
         x16, xq = ops.layernorm_quant(self.word_emb, self.emb_ln_w, self.emb_ln_b, self.eps, self.l0_in_cs, mode1,
-                                      embed=(input_ids.contiguous(), token_type_ids.contiguous(),
-                                             positions.contiguous(), self.token_type, self.pos_emb))
-        t = input_ids.numel()
+                                      embed=embed)
+        t = input_ids.numel() if gather is None else gather.numel()
         for i in range(self.num_layers):
             g = lambda name: getattr(self, f"l{i}_{name}")  # noqa: E731
             sc = {k: self.scales[k][i] for k in _ACTS_PER_LAYER}
@@ -590,16 +598,17 @@ class Int8Encoder(torch.nn.Module):
             # of 16
             return self._layers(input_ids.reshape(-1), types, positions, cu, s, key_mask,
                                 aligned_starts=s % 16 == 0).view(b, s, self.hidden)
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        positions = torch.arange(s, device=input_ids.device).expand(b, s)
-        pk = packed or pack_mask(attention_mask)
+        if packed is not None and (packed.batch, packed.seq_len) != (b, s):
+            raise ValueError(f"packed: made for a [{packed.batch}, {packed.seq_len}] batch, input_ids is [{b}, {s}]")
+        pk = packed or pack_mask(torch.ones_like(input_ids) if attention_mask is None else attention_mask)
         idx = pk.indices
         gather = pk.gather if pk.gather is not None else idx
-        out_packed = self.forward_packed(input_ids.reshape(-1)[gather], token_type_ids.reshape(-1)[gather],
-                                         positions.reshape(-1)[gather], pk.cu_seqlens, pk.max_seqlen)
+        # the padded batch's positions / zero types (kept per (b, s)); the embedding kernel picks the packed
+        # tokens out of them and out of the ids through `gather`
+        positions, zero_types, _ = self._padded_constants(b, s, input_ids.device)
+        types = zero_types if token_type_ids is None else token_type_ids.reshape(-1)
+        out_packed = self._layers(input_ids.reshape(-1), types, positions, pk.cu_seqlens, pk.max_seqlen, None,
+                                  gather=gather)
         out = torch.zeros((b * s, self.hidden), dtype=torch.float16, device=input_ids.device)
         out[idx] = out_packed[:idx.numel()]
         return out.view(b, s, self.hidden)

@@ -810,14 +810,17 @@ def _gathered_row(table_ptr, index_ptr, rows, row_ok, cols, mask, N, num_rows):
 def _layernorm_quant_kernel(
     y_ptr, gamma_ptr, beta_ptr, out16_ptr, out8_ptr,
     M, N, stride_y, out_scale, out_scale_vec_ptr, eps,
-    ids_ptr, types_ptr, positions_ptr, type_emb_ptr, pos_emb_ptr, n_word, n_type, n_pos,
-    EMBED: tl.constexpr, WRITE_FP16: tl.constexpr, WRITE_INT8: tl.constexpr, DEQUANT_FP16: tl.constexpr,
+    ids_ptr, types_ptr, positions_ptr, type_emb_ptr, pos_emb_ptr, n_word, n_type, n_pos, gather_ptr, n_src,
+    EMBED: tl.constexpr, GATHER: tl.constexpr, WRITE_FP16: tl.constexpr, WRITE_INT8: tl.constexpr, DEQUANT_FP16: tl.constexpr,
     COLUMN_SCALE: tl.constexpr,
     RECIPROCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """EMBED: y is the fp16 rounding of word[ids] + pos[positions] + type[types] summed in float32 (y_ptr the
-    word table), the embedding sum gathered here instead of in three torch gathers, adds and casts."""
+    word table), the embedding sum gathered here instead of in three torch gathers, adds and casts. GATHER: row
+    r takes token gather[r] of the n_src given (ids, types and positions indexed through it: the packed path's
+    tokens picked out of the padded batch here, not by three more gathers); an index outside [0, n_src) gives
+    a NaN row."""
     grid_dependency_sync(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -825,9 +828,16 @@ def _layernorm_quant_kernel(
     col_ok = cols < N
     mask = row_ok[:, None] & col_ok[None, :]
     if EMBED:
-        y = _gathered_row(y_ptr, ids_ptr, rows, row_ok, cols, mask, N, n_word) \
-            + _gathered_row(pos_emb_ptr, positions_ptr, rows, row_ok, cols, mask, N, n_pos)
-        y = y + _gathered_row(type_emb_ptr, types_ptr, rows, row_ok, cols, mask, N, n_type)
+        src = rows
+        if GATHER:
+            src = tl.load(gather_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+            src_ok = (src >= 0) & (src < n_src)
+            src = tl.where(src_ok, src, 0)
+        y = _gathered_row(y_ptr, ids_ptr, src, row_ok, cols, mask, N, n_word) \
+            + _gathered_row(pos_emb_ptr, positions_ptr, src, row_ok, cols, mask, N, n_pos)
+        y = y + _gathered_row(type_emb_ptr, types_ptr, src, row_ok, cols, mask, N, n_type)
+        if GATHER:
+            y = tl.where(src_ok[:, None], y, float("nan"))
         y = tl.where(mask, y.to(tl.float16).to(tl.float32), 0.0)
     else:
         y = tl.load(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -860,23 +870,34 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     """Row LayerNorm of fp16 y [M, N]; returns (fp16 or None, int8 or None). out_scale: a float (per
     tensor), float32 [N] (per column: a smoothing factor folded into the consumer's weight), or None.
     config (rows per program, num_warps, reciprocal) overrides the table (for benchmarks/tune_encoder.py).
-    embed = (input_ids, token_type_ids, positions, type_table, pos_table), int64 [M] each and fp16 [*, N]
-    tables: y is then the fp16 word table and the rows normalised are fp16(word[ids] + pos[positions] +
-    type[types]) (float32 sums), gathered in the kernel; a token whose index is out of its table's range gets a
-    NaN row. dequant_fp16 (per-tensor out_scale, write_fp16 False): the fp16 output is fp16(q * s_out), the
+    embed = (input_ids, token_type_ids, positions, type_table, pos_table[, gather]), int32/int64 [M] each and
+    fp16 [*, N] tables: y is then the fp16 word table and the rows normalised are fp16(word[ids] + pos[positions]
+    + type[types]) (float32 sums), gathered in the kernel; a token whose index is out of its table's range gets a
+    NaN row. With gather (int32/int64 [M]) the three index tensors hold S >= 1 tokens and row r is token
+    gather[r] (an index outside [0, S) gives a NaN row). dequant_fp16 (per-tensor out_scale, write_fp16 False): the fp16 output is fp16(q * s_out), the
     int8 result dequantized (mode 2's encoder output) instead of the LayerNorm itself."""
     if dequant_fp16 and (write_fp16 or out_scale is None or isinstance(out_scale, torch.Tensor)):
         raise ValueError("dequant_fp16: needs a per-tensor float out_scale and write_fp16=False")
+    gather = None
     if embed is not None:
-        ids, types, positions, type_emb, pos_emb = embed
-        m, n = ids.numel(), y.shape[1]
+        if len(embed) not in (5, 6):
+            raise ValueError(f"embed: expected (input_ids, token_type_ids, positions, type_table, pos_table[, "
+                             f"gather]), got {len(embed)} items")
+        ids, types, positions, type_emb, pos_emb = embed[:5]
+        gather = embed[5] if len(embed) == 6 else None
+        m, n = (ids.numel() if gather is None else gather.numel()), y.shape[1]
+        src = ids.numel()
+        if gather is not None and (gather.dim() != 1 or gather.dtype not in (torch.int32, torch.int64)
+                                   or not gather.is_contiguous() or gather.device != ids.device):
+            raise ValueError(f"gather: expected a contiguous int32/int64 [M] tensor on {ids.device}, got "
+                             f"{gather.dtype} {tuple(gather.shape)} on {gather.device}")
         for name, t in (("y", y), ("type_table", type_emb), ("pos_table", pos_emb)):
             if t.dtype != torch.float16 or t.dim() != 2 or t.shape[1] != n or not t.is_contiguous():
                 raise ValueError(f"{name}: expected a contiguous fp16 [*, {n}] embedding table, got {t.dtype} "
                                  f"{tuple(t.shape)}")
         for name, t in (("input_ids", ids), ("token_type_ids", types), ("positions", positions)):
-            if t.dim() != 1 or t.numel() != m or t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous():
-                raise ValueError(f"{name}: expected a contiguous int32/int64 [{m}] tensor, got {t.dtype} "
+            if t.dim() != 1 or t.numel() != src or t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous int32/int64 [{src}] tensor, got {t.dtype} "
                                  f"{tuple(t.shape)}")
     else:
         m, n = y.shape
@@ -889,7 +910,7 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     rows = max(1, min(16, table["layernorm_rows_budget"] // block_n))
     out16 = torch.empty((m, n), dtype=torch.float16, device=y.device) if write_fp16 or dequant_fp16 else None
     out8 = torch.empty((m, n), dtype=torch.int8, device=y.device) if out_scale is not None else None
-    ids, types, positions, type_emb, pos_emb = embed if embed is not None else (gamma,) * 5
+    ids, types, positions, type_emb, pos_emb = embed[:5] if embed is not None else (gamma,) * 5
     warps = max(1, min(8, rows * block_n // table["layernorm_elements_per_warp"]))
     reciprocal = table["layernorm_reciprocal"]
     if config is not None:
@@ -899,8 +920,8 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
         y, gamma, beta, out16 if out16 is not None else y, out8 if out8 is not None else y,
         m, n, y.stride(0), 1.0 if column or out_scale is None else float(out_scale),
         out_scale if column else gamma, float(eps), ids, types, positions, type_emb, pos_emb,
-        y.shape[0], type_emb.shape[0], pos_emb.shape[0],
-        EMBED=embed is not None, WRITE_FP16=write_fp16, WRITE_INT8=out_scale is not None,
+        y.shape[0], type_emb.shape[0], pos_emb.shape[0], gather if gather is not None else ids, ids.numel(),
+        EMBED=embed is not None, GATHER=gather is not None, WRITE_FP16=write_fp16, WRITE_INT8=out_scale is not None,
         DEQUANT_FP16=bool(dequant_fp16), COLUMN_SCALE=column,
         RECIPROCAL=bool(reciprocal), ROWS=rows, BLOCK_N=block_n, PDL=pdl, INTERPRET=INTERPRET,
         num_warps=warps, **pdl_launch_options(pdl),
