@@ -144,7 +144,8 @@ def _row(line, k, n, m, nbytes, peer, peer_us, ours_us, floor, copy_gbs):
     return {"line": line, "K": k, "N": n, "M": m, "bytes": nbytes, "peer": peer, "peer_us": round(peer_us, 2),
             "target_x": target_x, "target_us": round(target_us, 2), "ours_us": round(ours_us, 2),
             "ours_x": round(peer_us / ours_us, 3), "floor_us": round(floor_us, 2), "floor_cfg": floor_cfg,
-            "floor_GBs": round(nbytes / floor_us / 1e3, 1), "floor_frac_copy": round(nbytes / floor_us / 1e3 / copy_gbs, 3),
+            "floor_GBs": round(nbytes / floor_us / 1e3, 1),
+            "floor_frac_copy": round(nbytes / floor_us / 1e3 / copy_gbs, 3),
             "ours_vs_floor": round(ours_us / floor_us, 3), "floor_vs_target": round(floor_us / target_us, 3),
             "feasible": floor_us <= target_us}
 

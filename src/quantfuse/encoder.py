@@ -599,7 +599,8 @@ class Int8Encoder(torch.nn.Module):
             return self._layers(input_ids.reshape(-1), types, positions, cu, s, key_mask,
                                 aligned_starts=s % 16 == 0).view(b, s, self.hidden)
         if packed is not None and (packed.batch, packed.seq_len) != (b, s):
-            raise ValueError(f"packed: made for a [{packed.batch}, {packed.seq_len}] batch, input_ids is [{b}, {s}]")
+            raise ValueError(f"packed: made for a [{packed.batch}, {packed.seq_len}] batch, input_ids is "
+                             f"[{b}, {s}]")
         pk = packed or pack_mask(torch.ones_like(input_ids) if attention_mask is None else attention_mask)
         idx = pk.indices
         gather = pk.gather if pk.gather is not None else idx

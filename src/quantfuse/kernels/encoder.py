@@ -811,8 +811,8 @@ def _layernorm_quant_kernel(
     y_ptr, gamma_ptr, beta_ptr, out16_ptr, out8_ptr,
     M, N, stride_y, out_scale, out_scale_vec_ptr, eps,
     ids_ptr, types_ptr, positions_ptr, type_emb_ptr, pos_emb_ptr, n_word, n_type, n_pos, gather_ptr, n_src,
-    EMBED: tl.constexpr, GATHER: tl.constexpr, WRITE_FP16: tl.constexpr, WRITE_INT8: tl.constexpr, DEQUANT_FP16: tl.constexpr,
-    COLUMN_SCALE: tl.constexpr,
+    EMBED: tl.constexpr, GATHER: tl.constexpr, WRITE_FP16: tl.constexpr, WRITE_INT8: tl.constexpr,
+    DEQUANT_FP16: tl.constexpr, COLUMN_SCALE: tl.constexpr,
     RECIPROCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -874,8 +874,9 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     fp16 [*, N] tables: y is then the fp16 word table and the rows normalised are fp16(word[ids] + pos[positions]
     + type[types]) (float32 sums), gathered in the kernel; a token whose index is out of its table's range gets a
     NaN row. With gather (int32/int64 [M]) the three index tensors hold S >= 1 tokens and row r is token
-    gather[r] (an index outside [0, S) gives a NaN row). dequant_fp16 (per-tensor out_scale, write_fp16 False): the fp16 output is fp16(q * s_out), the
-    int8 result dequantized (mode 2's encoder output) instead of the LayerNorm itself."""
+    gather[r] (an index outside [0, S) gives a NaN row). dequant_fp16 (per-tensor out_scale, write_fp16 False):
+    the fp16 output is fp16(q * s_out), the int8 result dequantized (mode 2's encoder output) instead of the
+    LayerNorm itself."""
     if dequant_fp16 and (write_fp16 or out_scale is None or isinstance(out_scale, torch.Tensor)):
         raise ValueError("dequant_fp16: needs a per-tensor float out_scale and write_fp16=False")
     gather = None
