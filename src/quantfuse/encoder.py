@@ -587,10 +587,14 @@ class Int8Encoder(torch.nn.Module):
             raise ValueError(f"attention_mask: expected shape {(b, s)}, got {tuple(attention_mask.shape)}")
         if token_type_ids is not None and tuple(token_type_ids.shape) != (b, s):
             raise ValueError(f"token_type_ids: expected shape {(b, s)}, got {tuple(token_type_ids.shape)}")
+        if packed is not None and (packed.batch, packed.seq_len) != (b, s):
+            raise ValueError(f"packed: made for a [{packed.batch}, {packed.seq_len}] batch, input_ids is "
+                             f"[{b}, {s}]")
+        # positions, zero token types and the padded sequence starts depend on (b, s) only; the packed path
+        # picks its tokens out of these and out of the ids in the embedding kernel (through `gather`)
+        positions, zero_types, cu = self._padded_constants(b, s, input_ids.device)
+        types = zero_types if token_type_ids is None else token_type_ids.reshape(-1)
         if not remove_padding:
-            # the padded path: positions, zero token types and sequence starts depend on (b, s) only
-            positions, zero_types, cu = self._padded_constants(b, s, input_ids.device)
-            types = zero_types if token_type_ids is None else token_type_ids.reshape(-1)
             # no mask: every key attends (the kernels skip the mask); else nonzero = attend, the bool's byte
             # reinterpreted as int8 (one kernel, not a compare and a conversion)
             key_mask = None if attention_mask is None else (attention_mask.reshape(-1) != 0).view(torch.int8)
@@ -598,16 +602,9 @@ class Int8Encoder(torch.nn.Module):
             # of 16
             return self._layers(input_ids.reshape(-1), types, positions, cu, s, key_mask,
                                 aligned_starts=s % 16 == 0).view(b, s, self.hidden)
-        if packed is not None and (packed.batch, packed.seq_len) != (b, s):
-            raise ValueError(f"packed: made for a [{packed.batch}, {packed.seq_len}] batch, input_ids is "
-                             f"[{b}, {s}]")
         pk = packed or pack_mask(torch.ones_like(input_ids) if attention_mask is None else attention_mask)
         idx = pk.indices
         gather = pk.gather if pk.gather is not None else idx
-        # the padded batch's positions / zero types (kept per (b, s)); the embedding kernel picks the packed
-        # tokens out of them and out of the ids through `gather`
-        positions, zero_types, _ = self._padded_constants(b, s, input_ids.device)
-        types = zero_types if token_type_ids is None else token_type_ids.reshape(-1)
         out_packed = self._layers(input_ids.reshape(-1), types, positions, pk.cu_seqlens, pk.max_seqlen, None,
                                   gather=gather)
         out = torch.zeros((b * s, self.hidden), dtype=torch.float16, device=input_ids.device)

@@ -879,6 +879,8 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     LayerNorm itself."""
     if dequant_fp16 and (write_fp16 or out_scale is None or isinstance(out_scale, torch.Tensor)):
         raise ValueError("dequant_fp16: needs a per-tensor float out_scale and write_fp16=False")
+    # without embed the kernel's embedding arguments are placeholders (gamma; EMBED is off)
+    ids = types = positions = type_emb = pos_emb = gamma
     gather = None
     if embed is not None:
         if len(embed) not in (5, 6):
@@ -911,7 +913,6 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     rows = max(1, min(16, table["layernorm_rows_budget"] // block_n))
     out16 = torch.empty((m, n), dtype=torch.float16, device=y.device) if write_fp16 or dequant_fp16 else None
     out8 = torch.empty((m, n), dtype=torch.int8, device=y.device) if out_scale is not None else None
-    ids, types, positions, type_emb, pos_emb = embed[:5] if embed is not None else (gamma,) * 5
     warps = max(1, min(8, rows * block_n // table["layernorm_elements_per_warp"]))
     reciprocal = table["layernorm_reciprocal"]
     if config is not None:
@@ -921,7 +922,7 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
         y, gamma, beta, out16 if out16 is not None else y, out8 if out8 is not None else y,
         m, n, y.stride(0), 1.0 if column or out_scale is None else float(out_scale),
         out_scale if column else gamma, float(eps), ids, types, positions, type_emb, pos_emb,
-        y.shape[0], type_emb.shape[0], pos_emb.shape[0], gather if gather is not None else ids, ids.numel(),
+        y.shape[0], type_emb.shape[0], pos_emb.shape[0], ids if gather is None else gather, ids.numel(),
         EMBED=embed is not None, GATHER=gather is not None, WRITE_FP16=write_fp16, WRITE_INT8=out_scale is not None,
         DEQUANT_FP16=bool(dequant_fp16), COLUMN_SCALE=column,
         RECIPROCAL=bool(reciprocal), ROWS=rows, BLOCK_N=block_n, PDL=pdl, INTERPRET=INTERPRET,
