@@ -382,15 +382,16 @@ def compile_report(tiles=GEMM_TILES):
     from quantfuse.kernels import encoder as ke
 
     for tile in tiles:
-        bm, bn, bk, warps, stages = tile
+        bm, bn, bk, warps, stages = tile[:5]
         for label, epi, gelu, recip, res_mode, fast in (
                 ("qkv", 2, False, False, 0, False), ("qkv recip", 2, False, True, 0, False),
                 ("gelu", 1, True, False, 0, False), ("gelu recip", 1, True, True, 0, False),
                 ("gelu fast", 1, True, True, 0, True), ("residual", 0, False, False, 1, False)):
             const = dict(EPILOGUE=epi, RES_MODE=res_mode, GELU=gelu, HEAD_DIM=64, COLUMN_OUT_SCALE=epi == 1,
                          COLUMN_RES_SCALE=False, RECIPROCAL=recip, ALIGNED_QKV=epi == 2, EVEN_K=True, BLOCK_M=bm,
-                         BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FAST_GELU=fast, INTERPRET=False)
-            types = {"a_ptr": "*i8", "w_ptr": "*i8", "bias_ptr": "*fp32", "w_scale_ptr": "*fp32",
+                         BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FAST_GELU=fast, TMA=False, PERSISTENT=False,
+                         TMA_EPI=False, PDL=False, INTERPRET=False)
+            types = {"a_src": "*i8", "w_src": "*i8", "bias_ptr": "*fp32", "w_scale_ptr": "*fp32",
                      "out_scale_ptr": "*fp32", "res_ptr": "*fp16", "out_ptr": "*fp16" if epi == 0 else "*i8",
                      "vt_ptr": "*i8", "res_scale_vec_ptr": "*fp32", "a_scale": "fp32", "res_scale": "fp32"}
             try:

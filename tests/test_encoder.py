@@ -121,6 +121,17 @@ def test_gemm_table_variants_by_epilogue(monkeypatch):
     assert ke._pick_gemm_tile(cpu, 128, 3072, 768, "requant")[5:] == (False, 0, False, False)
 
 
+@pytest.mark.parametrize("kind,residual", [("requant", None), ("residual", "fp16")])
+def test_gemm_table_length_config_keeps_its_tma_epilogue(kind, residual, monkeypatch):
+    # _pick_gemm_tile pads every tile to nine elements: the eighth (descriptor epilogue) must still take effect
+    # (it did not when the ninth was added)
+    spy = KernelSpy(ke._int8_gemm_kernel)
+    monkeypatch.setattr(ke, "_int8_gemm_kernel", spy)
+    out, ref = u.gemm_case(kind, 37, 96, 64, DEV, residual=residual, config=(16, 32, 32, 4, 2, False, 0, True, False))
+    u.assert_gemm_close(kind, out, ref, 37)
+    assert spy.calls[-1]["TMA_EPI"]
+
+
 @pytest.mark.parametrize("kind,residual", [("qkv", None), ("requant", None), ("residual", "int8")])
 def test_gemm_warp_specialized_config_runs_the_tl_twin_interpreted(kind, residual, monkeypatch):
     # a ninth config element asks for the Gluon kernel (encoder_wgmma), which Gluon's lack of an interpreter

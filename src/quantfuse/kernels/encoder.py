@@ -541,7 +541,7 @@ def int8_gemm(
     # launched early (a kernel launched without PDL passes the wait at once)
     gdc = _pdl(dev, m, {0: "layernorm", 2: "attention"}.get(code, ""))
     a_src, w_src = (descriptor(a, (bm, bk)), descriptor(w, (bn, bk))) if use_tma else (a, w)
-    tma_epi = (len(tile) == 8 and bool(tile[7]) and code != 2 and describable(out)
+    tma_epi = (len(tile) >= 8 and bool(tile[7]) and code != 2 and describable(out)
                and (res_mode == 0 or describable(res)))
     out_dst = descriptor(out, (bm, bn)) if tma_epi else out
     res_src = descriptor(res, (bm, bn)) if tma_epi and res_mode else res
