@@ -119,6 +119,8 @@ def test_gemm_table_variants_by_epilogue(monkeypatch):
     assert ke._pick_gemm_tile(cpu, 4096, 2304, 768, "qkv") == (128, 128, 128, 4, 3, True, 2, False, False)
     assert ke._pick_gemm_tile(cpu, 4096, 768, 3072, "residual") == (128, 128, 128, 4, 3, False, 0, True, False)
     assert ke._pick_gemm_tile(cpu, 128, 3072, 768, "requant")[5:] == (False, 0, False, False)
+    # below the table's tma_epilogue_min_tokens the same tile stores through pointers
+    assert ke._pick_gemm_tile(cpu, 2048, 3072, 768, "requant") == (128, 128, 128, 4, 3, True, 2, False, False)
 
 
 @pytest.mark.parametrize("kind,residual", [("requant", None), ("residual", "fp16")])

@@ -153,6 +153,11 @@ ENCODER_CONFIGS = {
         # attention PDL), 8x128 ones gained 1-3%.
         "pdl_layernorm_max_tokens": 4096,
         "pdl_attention_max_tokens": 4096,
+        # the tiles' descriptor epilogues (variant element 3) only from this many tokens: same-run graphed A/B on
+        # the H100 (tune_encoder_split_tiles.json, 4 reps at 2048 / 4096 tokens): at 2048 tokens (where only FC1
+        # runs the 128x128 tile) mode 2 987.9 us with it vs 965.9 without, mode 1 1010.1 vs 982.9; at 4096 1319.8
+        # vs 1329.7 and 1352.8 vs 1351.9; at 16384 4440-4455 vs 4541-4569, 32x384 4221-4268 vs 4303-4334
+        "tma_epilogue_min_tokens": 4096,
     },
     "default": {
         "gemm": [
@@ -423,6 +428,8 @@ def _pick_gemm_tile(device: torch.device, m: int, n: int, k: int, epilogue: str)
                   tiles[-1])
     bm, bn, bk, warps, stages, _, variants = chosen
     variant = tuple(variants.get(epilogue, ()))
+    if len(variant) >= 3 and m < _table(device).get("tma_epilogue_min_tokens", 0):
+        variant = variant[:2] + (False,) + variant[3:]
     return (bm, bn, min(bk, k_p2), warps, stages) + variant + (False, 0, False, False)[len(variant):]
 
 
