@@ -241,9 +241,12 @@ def _identity_tiles(case_index):
     return tiles[same_width.index(case_index)::len(same_width)]
 
 
-@pytest.mark.parametrize("case_index", range(len(IDENTITY_CASES)),
-                         ids=lambda i: (lambda c: f"w{c[0]}g{c[1]}{'s' if c[2] else 'a'}-{str(c[3])[6:]}")(
-                             IDENTITY_CASES[i]))
+def _identity_case_id(case_index):
+    bits, group_size, symmetric, dtype = IDENTITY_CASES[case_index]
+    return f"w{bits}g{group_size}{'s' if symmetric else 'a'}-{str(dtype)[6:]}"
+
+
+@pytest.mark.parametrize("case_index", range(len(IDENTITY_CASES)), ids=_identity_case_id)
 def test_fused_gemm_identity_rows_bitwise(case_index):
     """The packed layout, group indexing and zero points through every fused tile path, bit for bit."""
     bits, group_size, symmetric, dtype = IDENTITY_CASES[case_index]
