@@ -561,3 +561,31 @@ def test_splitk_reduce_runs_in_stream_order_unless_asked(monkeypatch):
     kw.splitk_reduce(part, bias, out)
     assert spy.calls[-1]["PDL"] is False and "launch_pdl" not in spy.calls[-1]
     torch.testing.assert_close(out, part.sum(0) + bias)
+
+
+def test_decode_pdl_rule_and_interpreted_launch(monkeypatch):
+    # the rule (configs.decode_pdl): M <= DECODE_PDL_MAX_M, a weight width the architecture's DECODE_PDL lists (int4 on
+    # sm90), grid dependency control available; under the interpreter the decode kernels launch in stream order
+    from quantfuse.kernels import configs
+    from quantfuse.kernels import weight_only as kw
+
+    spy = KernelSpy(kw._wo_gemv_kernel)
+    monkeypatch.setattr(kw, "_wo_gemv_kernel", spy)
+    import quantfuse as qf
+
+    qw = qf.quantize_weight(torch.randn(40, 256), bits=4, group_size=128)
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    y = kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, None, 4, 128, 40,
+                    tile=dict(max_m=1, block_m=1, block_n=32, num_warps=4, num_stages=1, programs_per_sm=2,
+                              kernel="gemv", convert="inplace", scale="auto"))
+    torch.testing.assert_close(y.float(), x.float() @ qw.dequantize(torch.float32).t(), rtol=2e-2, atol=2e-2)
+    assert spy.calls[-1]["PDL"] is False and "launch_pdl" not in spy.calls[-1]
+    cpu = torch.device("cpu")
+    assert configs.decode_pdl(cpu, 1, 4) is False
+    monkeypatch.setattr(configs, "arch_key", lambda *args: "sm90")
+    monkeypatch.setattr(configs, "pdl_supported", lambda: True)
+    assert configs.decode_pdl(cpu, 1, 4) and configs.decode_pdl(cpu, configs.DECODE_PDL_MAX_M, 4)
+    assert not configs.decode_pdl(cpu, configs.DECODE_PDL_MAX_M + 1, 4)
+    assert not configs.decode_pdl(cpu, 1, 8)
+    monkeypatch.setattr(configs, "arch_key", lambda *args: "default")
+    assert not configs.decode_pdl(cpu, 1, 4)

@@ -33,7 +33,8 @@ WS_MAXNREG = 168
 __all__ = ["GLUON_AVAILABLE", "sm90_exactly", "WS_CONSUMER_REGS", "WS_MAXNREG"]
 if GLUON_AVAILABLE:
     __all__ += ["gluon", "gl", "mbarrier", "mma_v2", "tma", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait",
-                "TensorDescriptor", "cta_barrier", "tma_load", "tile_coords", "signal_dependents", "ring_load"]
+                "TensorDescriptor", "cta_barrier", "tma_load", "tile_coords", "signal_dependents", "ring_load",
+                "grid_dependency_sync"]
 
     @gluon.jit
     def tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
@@ -68,6 +69,17 @@ if GLUON_AVAILABLE:
         for Gluon, which cannot call a `tl` function."""
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
+
+
+    @gluon.jit
+    def grid_dependency_sync(PDL: gl.constexpr):
+        """_common.grid_dependency_sync for Gluon: with PDL, wait until the previous kernel in the stream has
+        finished and its writes are visible (griddepcontrol.wait), then let the next kernel launch; call it before
+        the kernel's first global load or store. Without PDL nothing is emitted."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+            signal_dependents()
 
 
 @lru_cache(maxsize=None)

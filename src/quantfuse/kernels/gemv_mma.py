@@ -41,13 +41,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._common import INTERPRET, cdiv, launch_kernel
+from ._common import INTERPRET, cdiv, launch_kernel, pdl_launch_options
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
-from .configs import arch_key, split_k_reduce_pdl
+from .configs import arch_key, decode_pdl, split_k_reduce_pdl
 
 if GLUON_AVAILABLE:
     from ._gluon import cta_barrier as _cta_barrier
-    from ._gluon import gl, gluon, mma_v2, signal_dependents
+    from ._gluon import gl, gluon, grid_dependency_sync, mma_v2, signal_dependents
 
 CHUNK = 128  # int4 codes per chunk of 16 words
 WORDS_PER_CHUNK = 16
@@ -289,9 +289,11 @@ if GLUON_AVAILABLE:
         M, N, K, stride_xm, stride_wn, stride_om, chunks_per_split, splits, group_chunk_shift,
         HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, FUSED_REDUCE: gl.constexpr,
         PER_CHANNEL: gl.constexpr, EVEN_K: gl.constexpr, BLOCK_N: gl.constexpr, MP: gl.constexpr,
-        num_warps: gl.constexpr, SIGNAL: gl.constexpr = False,
+        num_warps: gl.constexpr, SIGNAL: gl.constexpr = False, PDL: gl.constexpr = False,
     ):
-        if SIGNAL:  # the split-K reduce kernel behind this one is launched early (configs.split_k_reduce_pdl)
+        # PDL: launched early (configs.decode_pdl); nothing is read before the wait, which also signals
+        grid_dependency_sync(PDL)
+        if SIGNAL and not PDL:  # the split-K reduce kernel behind this one is launched early (split_k_reduce_pdl)
             signal_dependents()
         mma: gl.constexpr = _mma_layout(num_warps)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
@@ -395,12 +397,14 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     # groups of whole chunks, a power of two of them (validated); per channel: one group
     group_chunk_shift = 0 if per_channel else (group_size // CHUNK).bit_length() - 1
     pdl = split and not fused and split_k_reduce_pdl(x2d.device)
+    early = decode_pdl(x2d.device, m, 4)
     launch_kernel(_wo_mma_decode_kernel, (grid_n, splits),
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales, out, part,
         counters if fused else scales, m, n, k, x2d.stride(0), qweight.stride(0), out.stride(0), chunks_per_split,
         splits, group_chunk_shift,
         HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, SPLIT=split, FUSED_REDUCE=fused, PER_CHANNEL=per_channel,
         EVEN_K=k % CHUNK == 0, BLOCK_N=cfg.block_n, MP=8 if m <= 8 else 16, num_warps=cfg.num_warps, SIGNAL=pdl,
+        PDL=early, **pdl_launch_options(early),
     )
     if split and not fused:
         splitk_reduce(part.view(splits, -1, n), bias, out, pdl=pdl)

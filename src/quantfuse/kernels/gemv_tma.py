@@ -33,14 +33,15 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ._common import INTERPRET, cdiv, launch_kernel
+from ._common import INTERPRET, cdiv, launch_kernel, pdl_launch_options
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
-from .configs import arch_key
+from .configs import arch_key, decode_pdl
 
 if GLUON_AVAILABLE:
     from ._gluon import TensorDescriptor as GluonTensorDescriptor
     from ._gluon import cta_barrier as _cta_barrier
     from ._gluon import gl, gluon, mbarrier
+    from ._gluon import grid_dependency_sync as _grid_dependency_sync
     from ._gluon import tma_load as _tma_load
 
 WORDS_PER_CHUNK = 16
@@ -159,8 +160,9 @@ if GLUON_AVAILABLE:
         N, K, num_groups, chunks_per_split, splits, field_mask, group_shift,
         BITS: gl.constexpr, GROUP_FIELDS: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
         SPLIT: gl.constexpr, FUSED_REDUCE: gl.constexpr, PER_CHANNEL: gl.constexpr, K_MULTIPLE_OF_16: gl.constexpr,
-        STAGES: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
     ):
+        _grid_dependency_sync(PDL)  # PDL: launched early (configs.decode_pdl); nothing is read before the wait
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         CHUNKS: gl.constexpr = w_desc.block_type.shape[1]
         FIELDS: gl.constexpr = 32 // BITS
@@ -287,12 +289,14 @@ def gemv_tma(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     fused = split and counters is not None and counters.numel() >= grid_n
     has_bias = bias is not None
     group_fields = 32 // bits if per_channel else group // 16  # per channel: one zero-point load per tile
+    pdl = decode_pdl(x2d.device, 1, bits)
     launch_kernel(_wo_gemv_tma_kernel, (grid_n, splits),
         _descriptor(qweight, cfg), x2d, scales, zeros if zeros is not None else scales,
         bias if has_bias else scales, out, part, counters if fused else scales,
         n, k, scales.shape[0], chunks_per_split, splits, (1 << bits) - 1, max(group, 1).bit_length() - 1,
         BITS=bits, GROUP_FIELDS=group_fields, HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, SPLIT=split,
         FUSED_REDUCE=fused, PER_CHANNEL=per_channel, K_MULTIPLE_OF_16=k % 16 == 0, STAGES=cfg.stages, num_warps=cfg.num_warps,
+        PDL=pdl, **pdl_launch_options(pdl),
     )
     if split and not fused:
         splitk_reduce(part.view(splits, -1, n), bias, out)

@@ -82,7 +82,7 @@ import triton.language as tl
 
 from . import gemv_mma, gemv_tma, weight_only_wgmma
 from ._common import INTERPRET, cast_to, cdiv, grid_dependency_sync, launch_kernel, next_pow2, pdl_launch_options
-from .configs import arch_key, sm_count
+from .configs import arch_key, decode_pdl, sm_count
 
 WORDS_PER_CHUNK = 16
 
@@ -562,6 +562,7 @@ def _wo_mm_kernel(
     BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNKS: tl.constexpr, CONVERT: tl.constexpr, SCALE: tl.constexpr, WIDE: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[m, n] = sum_k x[m, k] * w_hat[n, k] (+ bias[n]), fp32 accumulation, computed as out^T tiles.
 
@@ -593,6 +594,7 @@ def _wo_mm_kernel(
     FIELDS: tl.constexpr = 32 // BITS
     CHUNK: tl.constexpr = 16 * FIELDS
     HALF: tl.constexpr = FIELDS // 2
+    grid_dependency_sync(PDL)  # PDL: launched early (configs.decode_pdl); nothing is read before the wait
     pid_s = tl.program_id(1)
     offs_n, n_mask, ci, j3, n3, w_tile, c_begin, c_end, k_end = _split_words(
         w_ptr, N, K, chunks_per_split, stride_wn, BITS, BLOCK_N, CHUNKS)
@@ -787,7 +789,7 @@ def _wo_gemv_kernel(
     BITS: tl.constexpr, GROUP_FIELDS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_M_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, CONVERT: tl.constexpr, SCALE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """The same product without tensor cores, for very small M (BLOCK_M <= 4 rows per program).
 
@@ -803,6 +805,7 @@ def _wo_gemv_kernel(
     tl.static_assert(BLOCK_M >= 1 and BLOCK_M <= 4, "gemv kernel: BLOCK_M must be 1..4")
     FIELDS: tl.constexpr = 32 // BITS
     CHUNK: tl.constexpr = 16 * FIELDS
+    grid_dependency_sync(PDL)  # PDL: launched early (configs.decode_pdl); nothing is read before the wait
     pid_s = tl.program_id(1)
     offs_n, n_mask, ci, j3, n3, w_tile, c_begin, c_end, k_end = _split_words(
         w_ptr, N, K, chunks_per_split, stride_wn, BITS, BLOCK_N, CHUNKS)
@@ -1129,6 +1132,7 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
         # group_shift: the GEMV's per-group scaling (SCALE 1) locates groups by shift; group sizes with
         # several groups are powers of two (validated by quantfuse.ops / QuantizedWeight)
         extra = dict(group_shift=group.bit_length() - 1, FUSED_REDUCE=fused, BLOCK_M_P2=next_pow2(block_m))
+    pdl = decode_pdl(x2d.device, m, bits)
     launch_kernel(kernel, (grid_n, splits, grid_m),
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales,
         out, part, counts if fused else scales, m, n, k, scales.shape[0], group,
@@ -1136,8 +1140,8 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
         BITS=bits, GROUP_FIELDS=_group_fields(group_size, k, bits), HAS_ZERO=zeros is not None,
         HAS_BIAS=has_bias, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKS=chunks,
         CONVERT=_convert_code(tile, x2d.dtype, scales.dtype, bits, mma, scale_code != 0), SCALE=scale_code,
-        INTERPRET=INTERPRET,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **extra,
+        INTERPRET=INTERPRET, PDL=pdl,
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **extra, **pdl_launch_options(pdl),
     )
     if split and not fused:
         splitk_reduce(part, bias, out)
