@@ -70,7 +70,6 @@ if GLUON_AVAILABLE:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
 
-
     @gluon.jit
     def grid_dependency_sync(PDL: gl.constexpr):
         """_common.grid_dependency_sync for Gluon: with PDL, wait until the previous kernel in the stream has
