@@ -566,13 +566,11 @@ def test_splitk_reduce_runs_in_stream_order_unless_asked(monkeypatch):
 def test_decode_pdl_rule_and_interpreted_launch(monkeypatch):
     # the rule (configs.decode_pdl): M <= DECODE_PDL_MAX_M, a weight width the architecture's DECODE_PDL lists (int4 on
     # sm90), grid dependency control available; under the interpreter the decode kernels launch in stream order
+    import quantfuse as qf
     from quantfuse.kernels import configs
-    from quantfuse.kernels import weight_only as kw
 
     spy = KernelSpy(kw._wo_gemv_kernel)
     monkeypatch.setattr(kw, "_wo_gemv_kernel", spy)
-    import quantfuse as qf
-
     qw = qf.quantize_weight(torch.randn(40, 256), bits=4, group_size=128)
     x = torch.randn(1, 256).to(torch.bfloat16)
     y = kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, None, 4, 128, 40,

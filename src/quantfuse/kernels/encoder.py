@@ -420,15 +420,17 @@ def _int8_gemm_kernel(
 
 
 def _pick_gemm_tile(device: torch.device, m: int, n: int, k: int, epilogue: str):
-    """(block_m, block_n, block_k, num_warps, num_stages, tma, persistent, tma_epilogue) from the table."""
-    tiles = _table(device)["gemm"]
+    """(block_m, block_n, block_k, num_warps, num_stages, tma, persistent, tma_epilogue, warp_specialized) from
+    the table: always nine elements; tma_epilogue only from the table's tma_epilogue_min_tokens."""
+    table = _table(device)
+    tiles = table["gemm"]
     sms = sm_count(device)
     k_p2 = max(16, next_pow2(k))
     chosen = next((t for t in tiles if t[2] <= k_p2 and cdiv(m, t[0]) * cdiv(n, t[1]) >= t[5] * sms),
                   tiles[-1])
     bm, bn, bk, warps, stages, _, variants = chosen
     variant = tuple(variants.get(epilogue, ()))
-    if len(variant) >= 3 and m < _table(device).get("tma_epilogue_min_tokens", 0):
+    if len(variant) >= 3 and m < table.get("tma_epilogue_min_tokens", 0):
         variant = variant[:2] + (False,) + variant[3:]
     return (bm, bn, min(bk, k_p2), warps, stages) + variant + (False, 0, False, False)[len(variant):]
 
