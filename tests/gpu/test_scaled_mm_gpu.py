@@ -20,6 +20,7 @@ import torch
 import quantfuse as qf
 from quantfuse import reference as ref
 from quantfuse.kernels import blockwise_wgmma as bw
+from quantfuse.kernels import rowwise_wgmma as rw
 from quantfuse.kernels import scaled_mm as kmm
 from tests._util import KernelSpy
 
@@ -245,6 +246,106 @@ def test_torch_compile_fullgraph_and_cuda_graph():
     torch.cuda.synchronize()
     for x, y in zip(captured, f(*new)):
         assert torch.equal(x, y)
+
+
+# ---- the Gluon warp-specialized rowwise kernel (kernels/rowwise_wgmma.py): sm90 with describable operands ---
+needs_ws = pytest.mark.skipif(
+    not (torch.cuda.is_available() and rw.applies(*_operands(128, 128, 256, INT8))),
+    reason="Gluon rowwise kernel: sm90 + Gluon with aggregates")
+WS_TILES = [kmm.WsConfig(), kmm.WsConfig(128, 256, 3, 16), kmm.WsConfig(128, 128, 4, 1)]
+# M, N off the tiles, K tails (1040 = 8 K steps + 16), one K step, more tiles than programs
+WS_SHAPES = [(1, 128, 256), (300, 1040, 1000), (129, 4096, 257), (1100, 2064, 6144 + 40)]
+
+
+def _tl_twin(a, b, sa, sb, out_dtype, bias, adj=None, azp=None):
+    return kmm.scaled_mm(a, b, sa, sb, out_dtype, bias, adj, azp, config=kmm.MMConfig(128, 128, 128, 4, 3))
+
+
+@needs_ws
+@pytest.mark.parametrize("cfg", WS_TILES, ids=str)
+@pytest.mark.parametrize("m,k,n", WS_SHAPES)
+@pytest.mark.parametrize("epilogue", ["token_channel_bias", "tensor_scales", "azp_tensor", "azp_token"])
+def test_rowwise_ws_int8_matches_tl_bit_for_bit(monkeypatch, cfg, m, k, n, epilogue):
+    """The int32 accumulator is exact and the epilogue is the tl kernel's formula, so every output bit matches
+    (and the bound holds)."""
+    spy = KernelSpy(rw._rowwise_ws_kernel)
+    monkeypatch.setattr(rw, "_rowwise_ws_kernel", spy)
+    a, b = _operands(m, k, n, INT8)
+    sa, sb = _scales(m, n, epilogue != "tensor_scales", epilogue != "tensor_scales")
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16) if epilogue != "tensor_scales" else None
+    adj = azp = None
+    if epilogue == "azp_tensor":
+        adj = qf.azp_adjustment(b, torch.tensor([-37], dtype=torch.int32, device="cuda"))
+    elif epilogue == "azp_token":
+        adj, azp = qf.azp_adjustment(b), torch.randint(-300, 300, (m, 1), dtype=torch.int32, device="cuda")
+    for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        got = kmm.scaled_mm(a, b, sa, sb, out_dtype, bias, adj, azp, config=cfg)
+        assert torch.equal(got, _tl_twin(a, b, sa, sb, out_dtype, bias, adj, azp))
+    assert len(spy.calls) == 3 and spy.calls[0]["AZP_MODE"] == {"azp_tensor": 1, "azp_token": 2}.get(epilogue, 0)
+    assert_within_bound(got, a, b, sa, sb, bias, adj, azp)
+
+
+@needs_ws
+@pytest.mark.parametrize("cfg", WS_TILES[:2], ids=str)
+@pytest.mark.parametrize("m,k,n", WS_SHAPES)
+def test_rowwise_ws_fp8_within_bound(cfg, m, k, n):
+    a, b = _operands(m, k, n, FP8)
+    sa, sb = _scales(m, n)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        assert_within_bound(kmm.scaled_mm(a, b, sa, sb, out_dtype, bias, None, None, config=cfg), a, b, sa, sb,
+                            bias)
+
+
+@needs_ws
+@pytest.mark.parametrize("m,k,n", [(1024, 14336, 4096), (2048 + 100, 28672, 1024 + 8)])
+def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
+    """int8 from 1024 rows with K >= 14336 takes the Gluon kernel by default; fp8, short K and M < 1024 do not."""
+    spy = KernelSpy(rw._rowwise_ws_kernel)
+    monkeypatch.setattr(rw, "_rowwise_ws_kernel", spy)
+    a, b = _operands(m, k, n, INT8)
+    sa, sb = _scales(m, n)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    out = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+    assert len(spy.calls) == 1
+    assert torch.equal(out, _tl_twin(a, b, sa, sb, torch.bfloat16, bias))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
+    for other in (_operands(m, 4096, n, INT8), _operands(1023, k, n, INT8)[0:1] + (b, ), _operands(m, k, n, FP8)):
+        qf.scaled_mm(other[0], other[1], sa[: other[0].shape[0]], sb, torch.bfloat16, bias)
+    assert len(spy.calls) == 2  # the graph capture only
+
+
+@needs_ws
+def test_rowwise_ws_padded_rows_and_nonfinite_scales():
+    m, k, n = 700, 2048, 1536
+    a_full, b = _operands(m, k + 64, n, INT8)
+    a = a_full[:, 16 : 16 + k]  # padded-row view (row stride k + 64: describable)
+    b = b[:k]
+    sa, sb = _scales(m, n)
+    sa[5] = float("nan")
+    sa[9] = float("inf")
+    sb[17] = 0.0
+    got = kmm.scaled_mm(a, b, sa, sb, torch.float32, None, None, None, config=kmm.WsConfig())
+    want = _tl_twin(a.contiguous(), b, sa, sb, torch.float32, None)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and bool(torch.isnan(got[5]).all())
+    keep = torch.isfinite(want)
+    assert torch.equal(got[keep], want[keep]) and not bool(keep[9].any())
+
+
+@needs_ws
+def test_rowwise_ws_config_errors():
+    a, b = _operands(128, 128, 256, INT8)
+    sa, sb = _scales(128, 256)
+    with pytest.raises(ValueError, match="block_m 128"):
+        kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, None, None, None, config=kmm.WsConfig(64, 256))
+    odd_k = _operands(128, 100, 256, INT8)  # rows of 100 bytes: no tensor descriptor
+    with pytest.raises(ValueError, match="WsConfig needs"):
+        kmm.scaled_mm(odd_k[0], odd_k[1], sa, sb, torch.bfloat16, None, None, None, config=kmm.WsConfig())
 
 
 # ---- the Gluon blockwise kernel (kernels/blockwise_wgmma.py): sm90 with describable operands --------------

@@ -26,6 +26,9 @@ Design:
   tiles, zero fill past M, N and K (`tma_applies`: K-contiguous a and b^T with 16-byte aligned rows; else the
   table's pointer-load candidates run); at large M a persistent grid of one or two programs per SM whose
   flattened tile loop issues the next tile's loads under this tile's epilogue (MMConfig.tma / persistent).
+- sm90 int8 from 1024 rows with K >= 14336 (a WsConfig in the table): the warp-specialized Gluon kernel of
+  rowwise_wgmma.py (a copy-engine loader partition, two consumer warpgroups on 128x256 tiles), 1.05-1.16x these
+  tiles there; the `tl` kernel stays its twin everywhere else and on the CPU.
 - Configs come from a table per architecture and M bucket (`CONFIGS`), never from a tuning sweep at
   first call. QUANTFUSE_AUTOTUNE=1 opts in to timing the bucket's candidates once per shape.
 - Under the Triton interpreter, fp8 loads cannot take `other=`; the K tail is then zeroed after the load
@@ -75,12 +78,24 @@ class MMConfig:
     persistent: int = 0
 
 
+@dataclass(frozen=True)
+class WsConfig:
+    """The warp-specialized Gluon kernel of rowwise_wgmma.py (sm90, describable operands): a persistent grid, a
+    copy-engine loader and two consumer warpgroups on 128 x block_n tiles, `stages` shared-memory slots."""
+    block_m: int = 128
+    block_n: int = 256
+    stages: int = 4
+    group_m: int = 8
+    tma: bool = True  # needs tensor descriptors (the table filter for non-describable operands)
+
+
 _BIG = 1 << 62
 
 # A bucket is (max_m, configs), (max_m, max_n, configs) or (max_m, max_n, min_k, configs): the first bucket with
 # M <= max_m (and N <= max_n, K >= min_k) gives the candidates, of which the first runs unless autotuning is
 # opted into.
 Bucket = Union[Tuple[int, List[MMConfig]], Tuple[int, int, List[MMConfig]], Tuple[int, int, int, List[MMConfig]]]
+# (a candidate may also be a WsConfig: the Gluon kernel, skipped where it does not apply)
 
 # Decode rows from benchmarks/tune_scaled_mm_decode.py on the H100 (fp8 and int8 alike, CUDA graphs, weights
 # rotated past L2), pointer loads: at M = 1 a 64-wide tile, at M = 16 a 32-wide one (4096x6144: 13.6 us vs
@@ -126,6 +141,13 @@ _SM90_INT8_LARGE_M = [MMConfig(128, 128, 128, 4, 3, tma=True, persistent=2), MMC
                       MMConfig(128, 256, 128, 8, 3)]
 # int8 from 2048 rows with K >= 16384: 128x256 / 8 warps / 1 program per SM leads (tune_scaled_mm_tma.json,
 # 4096x28672x8192: 1470 us vs 1621 for the 128x128 / 2-per-SM row; at 1024 rows it lost, 379 vs 351).
+_SM90_INT8_LONG_K = [MMConfig(128, 256, 128, 8, 3, tma=True, persistent=1)] + _SM90_INT8_LARGE_M
+# int8 from 1024 rows with K >= 14336: the warp-specialized Gluon kernel (WsConfig; rowwise_wgmma.py), in one
+# run against the shipped tiles (tune_scaled_mm_ws.json, per-token x per-channel + bias, bf16 out, CUDA
+# graphs): 1.05-1.11x at K = 28672 (1024x28672x8192 331 vs 349 us, 4096x28672x8192 1349 vs 1501), 1.06-1.10x at
+# K = 14336, 0.98-1.0x at K = 8192 (8192x10240) and 0.87-0.96x at K = 4096, where it is not taken; fp8 lost or
+# tied on every shape (0.75-1.01x), so fp8 keeps the tl tiles.
+_SM90_INT8_WS = WsConfig(128, 256, 4, 8)
 CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": _SM90_SMALL_M + [
         (_BIG, [MMConfig(128, 256, 128, 8, 3, 16, tma=True, persistent=1),
@@ -134,8 +156,11 @@ CONFIGS: Dict[str, List[Bucket]] = {
     ],
     # int8 operands: the same small-M rows, their own large-M tile (consulted when the table has this key)
     "sm90_int8": _SM90_SMALL_M + [
+        (1023, _SM90_INT8_LARGE_M),
+        (2047, _BIG, 14336, [_SM90_INT8_WS] + _SM90_INT8_LARGE_M),
         (2047, _SM90_INT8_LARGE_M),
-        (_BIG, _BIG, 16384, [MMConfig(128, 256, 128, 8, 3, tma=True, persistent=1)] + _SM90_INT8_LARGE_M),
+        (_BIG, _BIG, 16384, [_SM90_INT8_WS] + _SM90_INT8_LONG_K),
+        (_BIG, _BIG, 14336, [_SM90_INT8_WS] + _SM90_INT8_LARGE_M),
         (_BIG, _SM90_INT8_LARGE_M),
     ],
     "default": [
@@ -571,13 +596,16 @@ def _table_rows(table, device: torch.device, flavor: Optional[str]) -> List[Buck
 
 
 def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple, run,
-                 flavor: Optional[str] = None, tma_ok: bool = True) -> MMConfig:
+                 flavor: Optional[str] = None, tma_ok: bool = True, ws_ok: bool = False) -> MMConfig:
     """The bucket's first candidate (or, past SPLIT_K_MAX_M, the first with full waves; or with autotuning the
     fastest). Without describable operands (tma_ok False) the TMA candidates are skipped: their pointer-load
-    fallback is a tile nobody measured for that shape."""
+    fallback is a tile nobody measured for that shape; WsConfig candidates only where the Gluon kernel applies
+    (ws_ok)."""
     if device.type != "cuda":
         return _INTERPRET_CONFIG
     candidates = _bucket(_table_rows(table, device, flavor), m, n, k)
+    if not ws_ok:
+        candidates = [c for c in candidates if not isinstance(c, WsConfig)]
     if not tma_ok:
         candidates = [c for c in candidates if not c.tma] or candidates
     if not _autotune_enabled() or len(candidates) == 1:
@@ -646,8 +674,13 @@ def scaled_mm(
         azp = azp if azp.is_contiguous() else azp.contiguous()
     dummy = scale_a
     tma_ok = tma_applies(a2d, b)
+    from . import rowwise_wgmma as rw
+
+    ws_ok = rw.applies(a2d, b)
 
     def geometry(cfg: MMConfig) -> tuple:
+        if isinstance(cfg, WsConfig):
+            return (cfg, )
         if cfg.variant:
             raise ValueError(f"config.variant: scaled_mm has no variants (blockwise only), got {cfg.variant}")
         split = _effective_split(k, cfg, choose_split_k(m, n, k, cfg, a2d.device))
@@ -658,6 +691,11 @@ def scaled_mm(
         return cfg, split, k_per_split, even_k, use_tma, persistent, grid
 
     def launch(cfg: MMConfig, plan: Optional[tuple] = None) -> torch.Tensor:
+        if isinstance(cfg, WsConfig):
+            if not ws_ok:
+                raise ValueError("config: a WsConfig needs sm90, Gluon and describable int8 / fp8 e4m3 operands "
+                                 "(a [M, K] and b^T [N, K] K-contiguous with 16-byte aligned rows)")
+            return rw.scaled_mm_ws(a2d, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, cfg)
         cfg, split, k_per_split, even_k, use_tma, persistent, grid = plan or geometry(cfg)
         ws = dummy
         # the reduce kernel launched early: the split-K kernel signals it at its start
@@ -695,10 +733,11 @@ def scaled_mm(
             plan = _PLANS.get(plan_key)
             if plan is None:
                 plan = geometry(_pick_config(CONFIGS, m, n, k, a2d.device, key, launch,
-                                             None if is_fp8 else "int8", tma_ok))
+                                             None if is_fp8 else "int8", tma_ok, ws_ok))
                 remember_plan(_PLANS, plan_key, plan)
             return launch(plan[0], plan)
-        config = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch, None if is_fp8 else "int8", tma_ok)
+        config = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch, None if is_fp8 else "int8", tma_ok,
+                              ws_ok)
     return launch(config)
 
 

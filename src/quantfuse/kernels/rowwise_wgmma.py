@@ -1,0 +1,230 @@
+"""Scaled INT8 / FP8 GEMM for Hopper (sm90) in Gluon: persistent, warp-specialized, 128x256 tiles.
+
+Same math and epilogues as `scaled_mm._scaled_mm_kernel` (SPEC section 2, the module docstring of scaled_mm):
+acc = a_q @ b_q (int32 exact for int8, float32 for fp8), corr subtracted in int32, then
+out = (scale_a[i] * scale_b[j]) * float(acc - corr) + bias[j], one rounding to the output dtype.
+
+Structure: a loader partition (one thread issues the copies) walks this program's tiles and K steps and keeps
+STAGES shared-memory slots of A [128, 128] and B^T [256, 128] full through the copy engine (a ready / empty
+mbarrier pair per slot, zero fill past M, N and K); two consumer warpgroups each own one 64-row half of every
+tile (64x256: two 64x128 accumulators, 128 registers per thread) and chain one K step's pair of wgmma groups
+into them, keeping one step in flight and handing each slot back as soon as the step that read it has retired.
+The epilogue runs in the accumulators' register layout (no layout-conversion scratch: the slots take the shared
+memory), one 128-column half at a time, while the loader already fills the next tile's slots.
+
+Measured (H100, tune_scaled_mm_ws.json, same runs as the `tl` tiles): int8 1.05-1.16x at K = 28672 and 1.06-1.10x
+at K = 14336, level at K = 8192, 0.87-0.96x at K = 4096; fp8 0.70-1.01x. The table (scaled_mm.CONFIGS) takes it
+for int8 from 1024 rows with K >= 14336 only: it leads where the main loop dominates (long K). Why it trails at
+short K was not profiled; its epilogue does not overlap a main loop (both consumers work on the same tile) and its
+128x256 tiles come in fewer, coarser waves than the `tl` kernel's two 128x128 programs per SM.
+
+Scope (`applies`): sm90 exactly, Gluon with aggregates importable, int8 or fp8 e4m3 operands a [M, K] and b^T
+[N, K] both describable (K-contiguous, 16-byte aligned rows and base). The `tl` kernel is the executable twin
+tested on the CPU (Gluon has no interpreter) and runs everything else.
+"""
+
+# no `from __future__ import annotations`: _Flags' field annotations must stay types for Triton's aggregate
+
+from typing import Optional
+
+import torch
+
+from ._common import INTERPRET, cdiv, launch_kernel
+from ._gluon import GLUON_AVAILABLE, WS_CONSUMER_REGS, WS_MAXNREG, sm90_exactly
+from .configs import sm_count
+from .scaled_mm import WsConfig, tma_applies
+
+_aggregate = None
+if GLUON_AVAILABLE:
+    from ._gluon import TensorDescriptor as GluonTensorDescriptor
+    from ._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from ._gluon import ring_load as _ring_load
+    from ._gluon import tile_coords as _tile_coords
+    try:
+        from triton.language.core import _aggregate
+    except ImportError:  # a Triton without it: the kernel is off
+        pass
+
+
+def applies(a2d: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the kernel can run a [M, K] @ b [K, N] (see the module doc)."""
+    return (GLUON_AVAILABLE and _aggregate is not None and not INTERPRET
+            and a2d.dtype in (torch.int8, torch.float8_e4m3fn) and b.dtype == a2d.dtype
+            and sm90_exactly(a2d.device.type, a2d.device.index) and tma_applies(a2d, b))
+
+
+if GLUON_AVAILABLE and _aggregate is not None:
+
+    @_aggregate
+    class _Flags:
+        """The kernel's constexprs in one aggregate: Triton 3.6's warp_specialize turns plain int / bool arguments
+        of a partition into runtime values."""
+        SCALE_A_PER_ROW: gl.constexpr
+        SCALE_B_PER_COL: gl.constexpr
+        HAS_BIAS: gl.constexpr
+        AZP_MODE: gl.constexpr
+        GROUP_M: gl.constexpr
+        STAGES: gl.constexpr
+        CONSUMER: gl.constexpr  # which 64-row half of the tile a consumer owns (the loader ignores it)
+
+        @gluon.constexpr_function
+        def __init__(self, SCALE_A_PER_ROW, SCALE_B_PER_COL, HAS_BIAS, AZP_MODE, GROUP_M, STAGES, CONSUMER):
+            self.SCALE_A_PER_ROW = gl.constexpr(SCALE_A_PER_ROW)
+            self.SCALE_B_PER_COL = gl.constexpr(SCALE_B_PER_COL)
+            self.HAS_BIAS = gl.constexpr(HAS_BIAS)
+            self.AZP_MODE = gl.constexpr(AZP_MODE)
+            self.GROUP_M = gl.constexpr(GROUP_M)
+            self.STAGES = gl.constexpr(STAGES)
+            self.CONSUMER = gl.constexpr(CONSUMER)
+
+    @gluon.jit
+    def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+                azp_adj_ptr, azp_ptr, M, N, K, stride_om, cfg):
+        """Every K step of every tile of this program, in order, into the slot ring."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        c = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, cfg.GROUP_M)
+            for ks in range(k_steps):
+                _ring_load(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                           ks * BLOCK_K, cfg.STAGES, 0)
+                c += 1
+
+    @gluon.jit
+    def _epilogue(acc, rows, cols, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr, out_ptr, M, N,
+                  stride_om, cfg):
+        """One 64x128 half of a consumer's tile: corrections in int32, scales, bias, one rounding, stored from
+        the accumulator's register layout (pairs of adjacent columns per thread)."""
+        row_ok = rows < M
+        col_ok = cols < N
+        if cfg.AZP_MODE == 1:
+            acc = acc - gl.load(azp_adj_ptr + cols, mask=col_ok, other=0)[None, :]
+        elif cfg.AZP_MODE == 2:
+            adj = gl.load(azp_adj_ptr + cols, mask=col_ok, other=0)
+            acc = acc - gl.load(azp_ptr + rows, mask=row_ok, other=0)[:, None] * adj[None, :]
+        if cfg.SCALE_A_PER_ROW:
+            sa = gl.load(scale_a_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        else:
+            sa = gl.load(scale_a_ptr)
+        if cfg.SCALE_B_PER_COL:
+            sb = gl.load(scale_b_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        else:
+            sb = gl.load(scale_b_ptr)
+        out = (sa * sb) * acc.to(gl.float32)
+        if cfg.HAS_BIAS:
+            out = out + gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)[None, :]
+        o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+        gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @gluon.jit
+    def _consumer(a_desc, b_desc, a_smem, b_smem, ready, empty, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+                  azp_adj_ptr, azp_ptr, M, N, K, stride_om, cfg):
+        """Rows CONSUMER * 64 .. + 64 of each of this program's tiles, as two 64x128 accumulators (the left and
+        right halves of the tile's columns): Triton 3.6 lowers integer wgmma up to n = 128, so a 256-wide int8
+        tile takes two instructions per K slice anyway, and two tensors let the epilogue finish one half (its
+        column vectors: scale_b, bias, azp_adj) before it loads the other's, within the register budget."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        HALF_M: gl.constexpr = BLOCK_M // 2
+        HALF_N: gl.constexpr = BLOCK_N // 2
+        STAGES: gl.constexpr = cfg.STAGES
+        ACC_DTYPE: gl.constexpr = gl.int32 if a_desc.dtype == gl.int8 else gl.float32
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        c = 0  # this program's running K step (the loader's count)
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, cfg.GROUP_M)
+            acc0 = gl.zeros([HALF_M, HALF_N], ACC_DTYPE, mma_layout)
+            acc1 = gl.zeros([HALF_M, HALF_N], ACC_DTYPE, mma_layout)
+            for ks in range(k_steps):
+                slot = (c + ks) % STAGES
+                mbarrier.wait(ready.index(slot), ((c + ks) // STAGES) & 1)
+                a = a_smem.index(slot).slice(cfg.CONSUMER * HALF_M, HALF_M)
+                b = b_smem.index(slot)
+                acc0 = warpgroup_mma(a, b.slice(0, HALF_N).permute((1, 0)), acc0, is_async=True)
+                acc1 = warpgroup_mma(a, b.slice(HALF_N, HALF_N).permute((1, 0)), acc1, is_async=True)
+                # step ks-1's two groups have retired: its slot goes back to the loader
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+                mbarrier.arrive(empty.index((c + ks + STAGES - 1) % STAGES), count=1, pred=ks > 0)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            mbarrier.arrive(empty.index((c + k_steps - 1) % STAGES), count=1)
+            c += k_steps
+
+            rows = pid_m * BLOCK_M + cfg.CONSUMER * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+            cols = pid_n * BLOCK_N + gl.arange(0, HALF_N, layout=col_layout)
+            _epilogue(acc0, rows, cols, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr, out_ptr, M, N,
+                      stride_om, cfg)
+            _epilogue(acc1, rows, cols + HALF_N, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr, out_ptr,
+                      M, N, stride_om, cfg)
+
+    @gluon.jit
+    def _rowwise_ws_kernel(
+        a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
+        M, N, K, stride_om,
+        SCALE_A_PER_ROW: gl.constexpr, SCALE_B_PER_COL: gl.constexpr, HAS_BIAS: gl.constexpr,
+        AZP_MODE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 rows")
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+        shared = (a_desc, b_desc, a_smem, b_smem, ready, empty, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+                  azp_adj_ptr, azp_ptr, M, N, K, stride_om)
+        args0 = shared + (_Flags(SCALE_A_PER_ROW, SCALE_B_PER_COL, HAS_BIAS, AZP_MODE, GROUP_M, STAGES, 0), )
+        args1 = shared + (_Flags(SCALE_A_PER_ROW, SCALE_B_PER_COL, HAS_BIAS, AZP_MODE, GROUP_M, STAGES, 1), )
+        gl.warp_specialize([(_loader, args0), (_consumer, args0), (_consumer, args1)], [4, 4],
+                           [CONSUMER_REGS, CONSUMER_REGS])
+
+
+BLOCK_K = 128  # one K step: 16 KiB of A and 32 KiB of B^T per slot at block_n 256
+
+
+def _descriptor(t: torch.Tensor, block):
+    dtype = gl.int8 if t.dtype == torch.int8 else gl.float8e4nv
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def scaled_mm_ws(a2d: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                 out_dtype: torch.dtype, bias: Optional[torch.Tensor], azp_adj: Optional[torch.Tensor],
+                 azp: Optional[torch.Tensor], config: Optional[WsConfig] = None) -> torch.Tensor:
+    """The Gluon kernel; the caller checked `applies(a2d, b)` and validated the arguments (scaled_mm's contract:
+    contiguous flat scales of numel 1, M or N, int32 azp_adj / azp)."""
+    cfg = config or WsConfig()
+    if cfg.block_m != 128 or cfg.block_n not in (128, 256) or cfg.stages < 2:
+        raise ValueError(f"config: the warp-specialized kernel takes block_m 128 (two 64-row consumers), block_n "
+                         f"128 or 256 and at least 2 stages, got {cfg}")
+    m, k = a2d.shape
+    n = b.shape[1]
+    out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
+    a_desc = _descriptor(a2d, [cfg.block_m, BLOCK_K])
+    b_desc = _descriptor(b.t(), [cfg.block_n, BLOCK_K])
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    azp_mode = 0 if azp_adj is None else (1 if azp is None else 2)
+    launch_kernel(_rowwise_ws_kernel, (min(tiles, sm_count(a2d.device)),),
+        a_desc, b_desc, out, scale_a, scale_b,
+        bias if bias is not None else out, azp_adj if azp_adj is not None else scale_a,
+        azp if azp is not None else scale_a,
+        m, n, k, out.stride(0),
+        SCALE_A_PER_ROW=scale_a.numel() > 1, SCALE_B_PER_COL=scale_b.numel() > 1, HAS_BIAS=bias is not None,
+        AZP_MODE=azp_mode, GROUP_M=cfg.group_m, STAGES=cfg.stages, CONSUMER_REGS=WS_CONSUMER_REGS, num_warps=4,
+        maxnreg=WS_MAXNREG,
+    )
+    return out
