@@ -4,8 +4,8 @@ At M <= 16 a weight-only or fp8 GEMM must read its whole weight (plus scales) fr
 finish sooner than the fastest kernel that only reads those bytes. This script times, in one run on the device:
 
 * the peer each line names and the target time it implies: W4A16 g128 (float32 scales) >= 3.0x bf16 `F.linear`
-  at M = 1 and 16, W8A16 per channel >= 1.8x bf16 at M = 1 and 16 (issue 5), FP8 rowwise + bias >= 1.25x
-  `torch._scaled_mm` at M = 1 and 16 (issue 3);
+  and >= 1.5x tinygemm (`_weight_int4pack_mm`, in its own format) at M = 1 and 16, W8A16 per channel >= 1.8x bf16
+  at M = 1 and 16 (issue 5), FP8 rowwise + bias >= 1.25x `torch._scaled_mm` at M = 1 and 16 (issue 3);
 * our shipped op on the same shape (`weight_only_mm`, `scaled_mm`);
 * the read floor: the best of a sweep of read-only kernels over one contiguous buffer of exactly the bytes the GEMM
   must read (packed codes + scales; the activations are a rounding error), each program summing a contiguous
@@ -37,9 +37,10 @@ import common  # noqa: E402
 BF16 = torch.bfloat16
 LLAMA_KN = [(4096, 6144), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192)]
 FP8_KN = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192)]
-TARGETS = {"W4A16 g128": 3.0, "W8A16 per-channel": 1.8, "FP8 rowwise": 1.25}
+TARGETS = {"W4A16 g128": 3.0, "W4A16 g128 vs tinygemm": 1.5, "W8A16 per-channel": 1.8, "FP8 rowwise": 1.25}
 COLUMNS = ["line", "K", "N", "M", "bytes", "peer", "peer_us", "target_x", "target_us", "ours_us", "ours_x",
-           "floor_us", "floor_cfg", "floor_GBs", "floor_frac_copy", "ours_vs_floor", "floor_vs_target", "feasible"]
+           "floor_us", "floor_cfg", "floor_GBs", "floor_frac_copy", "ours_vs_floor", "floor_vs_target", "feasible",
+           "min_bytes", "min_floor_us", "min_feasible"]
 
 
 @triton.jit
@@ -137,24 +138,30 @@ def time_floor(nbytes: int, sms: int):
     return best
 
 
-def _row(line, k, n, m, nbytes, peer, peer_us, ours_us, floor, copy_gbs):
+def _row(line, k, n, m, nbytes, peer, peer_us, ours_us, floor, copy_gbs, min_floor=None):
+    """min_floor: (bytes, floor) of the smallest format the line's GEMM could read (W4A16: the 4-bit codes and
+    bfloat16 group scales, where ours keeps float32 scales)."""
     target_x = TARGETS[line]
     target_us = peer_us / target_x
     floor_us, floor_cfg = floor
-    return {"line": line, "K": k, "N": n, "M": m, "bytes": nbytes, "peer": peer, "peer_us": round(peer_us, 2),
-            "target_x": target_x, "target_us": round(target_us, 2), "ours_us": round(ours_us, 2),
-            "ours_x": round(peer_us / ours_us, 3), "floor_us": round(floor_us, 2), "floor_cfg": floor_cfg,
-            "floor_GBs": round(nbytes / floor_us / 1e3, 1),
-            "floor_frac_copy": round(nbytes / floor_us / 1e3 / copy_gbs, 3),
-            "ours_vs_floor": round(ours_us / floor_us, 3), "floor_vs_target": round(floor_us / target_us, 3),
-            "feasible": floor_us <= target_us}
+    row = {"line": line, "K": k, "N": n, "M": m, "bytes": nbytes, "peer": peer, "peer_us": round(peer_us, 2),
+           "target_x": target_x, "target_us": round(target_us, 2), "ours_us": round(ours_us, 2),
+           "ours_x": round(peer_us / ours_us, 3), "floor_us": round(floor_us, 2), "floor_cfg": floor_cfg,
+           "floor_GBs": round(nbytes / floor_us / 1e3, 1),
+           "floor_frac_copy": round(nbytes / floor_us / 1e3 / copy_gbs, 3),
+           "ours_vs_floor": round(ours_us / floor_us, 3), "floor_vs_target": round(floor_us / target_us, 3),
+           "feasible": floor_us <= target_us}
+    if min_floor is not None:
+        row.update(min_bytes=min_floor[0], min_floor_us=round(min_floor[1][0], 2),
+                   min_feasible=min_floor[1][0] <= target_us)
+    return row
 
 
 def weight_only_rows(bits, rows, sms, copy_gbs):
     import torch.nn.functional as F
 
     import quantfuse as qf
-    from bench_weight_only import clone_qw, qw_bytes
+    from bench_weight_only import clone_qw, qw_bytes, tinygemm, tinygemm_pack
 
     group = 128 if bits == 4 else -1
     line = "W4A16 g128" if bits == 4 else "W8A16 per-channel"
@@ -166,13 +173,26 @@ def weight_only_rows(bits, rows, sms, copy_gbs):
         qw_sets = [qw] + [clone_qw(qw) for _ in range(common.rotation_count(nbytes) - 1)]
         lin_sets = [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
         floor = time_floor(nbytes, sms)
+        tg_sets, min_floor = [], None
+        if bits == 4:
+            # tinygemm's own format (int4 codes, bf16 scales and zeros), rotated like ours; and the floor of the
+            # leanest format a g128 int4 GEMM could read: the codes plus bfloat16 scales
+            wp, sz = tinygemm_pack(qw)
+            tg_sets = [(wp, sz)] + [(wp.clone(), sz.clone()) for _ in range(common.rotation_count(nbytes) - 1)]
+            min_bytes = n * k // 2 + -(-k // 128) * n * 2
+            min_floor = (min_bytes, time_floor(min_bytes, sms))
         for m in (1, 16):
             x = torch.randn(m, k, device="cuda").to(BF16)
             peer_us = common.graph_us(lambda w: F.linear(x, w), [(w,) for w in lin_sets])
             ours_us = common.graph_us(lambda q: qf.weight_only_mm(x, q), [(q,) for q in qw_sets])
-            rows.append(_row(line, k, n, m, nbytes, "bf16 F.linear", peer_us, ours_us, floor, copy_gbs))
+            rows.append(_row(line, k, n, m, nbytes, "bf16 F.linear", peer_us, ours_us, floor, copy_gbs, min_floor))
             common.print_row(rows[-1])
-        del qw, w_hat, qw_sets, lin_sets
+            if tg_sets:
+                tg_us = common.graph_us(lambda w, s: tinygemm(x, w, s), tg_sets)
+                rows.append(_row("W4A16 g128 vs tinygemm", k, n, m, nbytes, "tinygemm _weight_int4pack_mm", tg_us,
+                                 ours_us, floor, copy_gbs, min_floor))
+                common.print_row(rows[-1])
+        del qw, w_hat, qw_sets, lin_sets, tg_sets
         torch.cuda.empty_cache()
 
 
@@ -232,9 +252,12 @@ def main(argv=None) -> None:
     weight_only_rows(8, rows, sms, copy_gbs)
     fp8_rows(rows, sms, copy_gbs)
     infeasible = [f"{r['line']} {r['K']}x{r['N']} M={r['M']}" for r in rows if not r["feasible"]]
+    min_infeasible = [f"{r['line']} {r['K']}x{r['N']} M={r['M']}" for r in rows if r.get("min_feasible") is False]
     notes = (f"copy bandwidth {copy_gbs:.0f} GB/s (read + write) in this run. feasible = floor_us <= target_us "
-             f"(target_us = peer_us / target_x). Lines whose target is under the read floor: "
-             f"{', '.join(infeasible) if infeasible else 'none'}.")
+             f"(target_us = peer_us / target_x). Lines whose target is under the read floor of our bytes: "
+             f"{', '.join(infeasible) if infeasible else 'none'}. min_floor_us: the floor of the leanest W4A16 g128 "
+             f"format (4-bit codes + bfloat16 scales, min_bytes); lines under even that floor (min_feasible False): "
+             f"{', '.join(min_infeasible) if min_infeasible else 'none'}.")
     common.finish("read_floor", "Decode lines vs the weight-read floor (H100)", rows, COLUMNS, notes)
 
 
