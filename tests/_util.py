@@ -28,6 +28,22 @@ def build_cubin_in_fresh_process(module: str, expression: str, path: str) -> Non
     assert done.returncode == 0, f"sm90 build of {module}: {expression} failed:\n{done.stderr[-3000:]}"
 
 
+def sm90_sass(tmp_path, module: str, expression: str):
+    """(SASS, resource usage) of `expression` (a compiled kernel in `module`'s namespace) built for sm90 in a fresh
+    process and disassembled by the cuobjdump bundled with Triton; the calling test is skipped where the wheel has
+    none."""
+    import pytest
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this Triton wheel bundles no cuobjdump")
+    path = str(tmp_path / "kernel.cubin")
+    build_cubin_in_fresh_process(module, expression, path)
+    return (subprocess.check_output([cuobjdump, "-sass", path], text=True),
+            subprocess.check_output([cuobjdump, "--dump-resource-usage", path], text=True))
+
+
 def codes(q: torch.Tensor) -> torch.Tensor:
     """Integer view of int8 / fp8 codes, for exact comparisons (fp8 NaN != NaN otherwise). fp8 -0 (0x80)
     reads as +0: the same value, and a product rounding to zero may carry either sign (hardware and

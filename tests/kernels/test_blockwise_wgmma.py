@@ -2,16 +2,14 @@
 caller can never reach it, and its sm90 build. Its numerics are tested on the GPU
 (tests/gpu/test_scaled_mm_gpu.py); under the interpreter scaled_mm_blockwise runs the `tl` twin."""
 
-import os
 import re
-import subprocess
 
 import pytest
 import torch
 
 from quantfuse.kernels import blockwise_wgmma as bw
 from quantfuse.kernels import scaled_mm as kmm
-from tests._util import build_cubin_in_fresh_process
+from tests._util import sm90_sass
 
 FP8 = torch.float8_e4m3fn
 
@@ -69,11 +67,10 @@ def _compile_sm90(cfg: bw.WgmmaConfig, scale_smem: bool = True):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def _build_cubin(cfg: bw.WgmmaConfig, scale_smem: bool, path: str) -> None:
+def _build_expression(cfg: bw.WgmmaConfig, scale_smem: bool) -> str:
     fields = ", ".join(str(int(v)) for v in (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.group_m,
                                               cfg.specialized))
-    build_cubin_in_fresh_process("tests.kernels.test_blockwise_wgmma",
-                                 f"_compile_sm90(bw.WgmmaConfig({fields}), {bool(scale_smem)})", path)
+    return f"_compile_sm90(bw.WgmmaConfig({fields}), {bool(scale_smem)})"
 
 
 # the pointer-loaded kernel, and the warp-specialized one with either scale path (the table's first config)
@@ -85,16 +82,9 @@ def test_sm90_build_keeps_wgmma_asynchronous(tmp_path, cfg, scale_smem):
     """A regression guard on the point of the kernel: ptxas serializes every wgmma (waits for each right after
     issuing it) when non-wgmma code touches registers a wgmma is still writing; the fast build issues each
     K step's four wgmma back to back as one group and retires groups at depth 1."""
-    import triton
-
     if cfg.specialized and bw._aggregate is None:
         pytest.skip("this Triton has no aggregates: the warp-specialized kernel is off")
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("this Triton wheel bundles no cuobjdump")
-    path = str(tmp_path / "blockwise_wgmma.cubin")
-    _build_cubin(cfg, scale_smem, path)
-    sass = subprocess.check_output([cuobjdump, "-sass", path], text=True)
+    sass, usage = sm90_sass(tmp_path, "tests.kernels.test_blockwise_wgmma", _build_expression(cfg, scale_smem))
     mma = re.findall(r"\bQGMMA\.[^;]*", sass)
     committed = [m for m in mma if "gsb0" in m]
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
@@ -102,5 +92,5 @@ def test_sm90_build_keeps_wgmma_asynchronous(tmp_path, cfg, scale_smem):
     # one commit (gsb0) per K step of four 32-deep wgmma; a serialized build commits and waits for each one
     assert 4 * len(committed) <= len(mma), f"{len(committed)} of {len(mma)} wgmma committed one by one: serialized"
     assert "0x1" in waits, "no wgmma left in flight anywhere"
-    regs = re.findall(r"REG:(\d+)", subprocess.check_output([cuobjdump, "--dump-resource-usage", path], text=True))
+    regs = re.findall(r"REG:(\d+)", usage)
     assert regs and int(regs[0]) <= 255

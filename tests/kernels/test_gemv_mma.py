@@ -2,9 +2,7 @@
 rules, and its sm90 build with this Triton (offline: no GPU needed), whose SASS must show the point of the kernel.
 The GPU tests (tests/gpu/test_gemv_mma_gpu.py) check its results."""
 
-import os
 import re
-import subprocess
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ import torch
 import quantfuse as qf
 from quantfuse.kernels import gemv_mma as gm
 from quantfuse.kernels import weight_only as kw
-from tests._util import build_cubin_in_fresh_process
+from tests._util import sm90_sass
 
 
 def test_shipped_configs_are_valid_and_bad_ones_refused():
@@ -71,15 +69,8 @@ def test_sm90_build_converts_in_registers_without_spills(dtype, per_channel, has
     word one packed subtract for each of its four register pairs (HADD2, two weights each) feeds HMMA directly
     (the expansion into the operand layout is asserted trivial at build time, so no shuffles or shared memory
     in the loop), and nothing spills."""
-    import triton
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("this Triton wheel bundles no cuobjdump")
-    path = str(tmp_path / "gemv_mma.cubin")
-    build_cubin_in_fresh_process("tests.kernels.test_gemv_mma",
-                                 f"_compile_sm90({dtype!r}, {per_channel}, {has_zero}, {mp})", path)
-    sass = subprocess.check_output([cuobjdump, "-sass", path], text=True)
+    sass, _ = sm90_sass(tmp_path, "tests.kernels.test_gemv_mma",
+                        f"_compile_sm90({dtype!r}, {per_channel}, {has_zero}, {mp})")
     suffix = r"\.BF16" if dtype == "bf16" else ""  # ptxas spells the float16 one HMMA.16816.F32
     assert re.search(rf"\bHMMA\.16816\.F32{suffix}\s", sass)
     assert re.search(r"\bLDG\.E\.128\b", sass), "the packed words should come 16 bytes at a time"

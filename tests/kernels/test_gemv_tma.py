@@ -2,16 +2,14 @@
 Its numerics are tested on the GPU (tests/gpu/test_gemv_tma_gpu.py); under the interpreter weight_only_mm runs
 the `tl` GEMV (the twin)."""
 
-import os
 import re
-import subprocess
 
 import pytest
 import torch
 
 import quantfuse as qf
 from quantfuse.kernels import gemv_tma as gt
-from tests._util import build_cubin_in_fresh_process
+from tests._util import sm90_sass
 
 
 def _qw(n=256, k=512, bits=4, group=128):
@@ -74,16 +72,8 @@ def _compile_sm90(cfg: gt.GemvConfig, bits: int = 4, per_channel: bool = False):
 def test_sm90_build_streams_by_tma_without_spills(bits, tmp_path):
     """The point of the kernel, checked on its sm90 SASS: weight tiles come by TMA (UTMALDG), are read from shared
     memory 16 bytes at a time, x comes in 8-byte loads (one per thread, field and tile), and nothing spills."""
-    import triton
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("this Triton wheel bundles no cuobjdump")
-    path = str(tmp_path / "gemv_tma.cubin")
-    build_cubin_in_fresh_process("tests.kernels.test_gemv_tma",
-                                 f"_compile_sm90(gt.GEMV_CONFIGS['sm90'][{bits}][0], {bits}, per_channel={bits == 8})",
-                                 path)
-    sass = subprocess.check_output([cuobjdump, "-sass", path], text=True)
+    sass, _ = sm90_sass(tmp_path, "tests.kernels.test_gemv_tma",
+                        f"_compile_sm90(gt.GEMV_CONFIGS['sm90'][{bits}][0], {bits}, per_channel={bits == 8})")
     assert re.search(r"\bUTMALDG\.3D\b", sass)
     assert re.search(r"\bLDS\.128\b", sass)
     assert re.search(r"\bLDG\.E\.64\b", sass), "x's 4 values per thread should be one 8-byte load"

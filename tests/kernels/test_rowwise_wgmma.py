@@ -3,16 +3,14 @@ dispatch takes it, that a CPU caller can never reach it, and its sm90 build. Its
 (tests/gpu/test_scaled_mm_gpu.py: bit for bit against the `tl` kernel for int8); under the interpreter
 scaled_mm runs the `tl` twin."""
 
-import os
 import re
-import subprocess
 
 import pytest
 import torch
 
 from quantfuse.kernels import rowwise_wgmma as rw
 from quantfuse.kernels import scaled_mm as kmm
-from tests._util import build_cubin_in_fresh_process
+from tests._util import sm90_sass
 
 
 def _operands(m=256, k=1024, n=512, dtype=torch.int8):
@@ -96,14 +94,7 @@ def test_sm90_build_is_asynchronous_and_does_not_spill(tmp_path, dtype, azp_mode
     """A guard on the kernel's point: each consumer keeps one K step's pair of wgmma groups in flight (the
     wait leaves 2 outstanding) and its 64x256 accumulator plus the widest epilogue (per-token zero points,
     scale_b, bias) fit the consumer's registers."""
-    import triton
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("this Triton wheel bundles no cuobjdump")
-    path = str(tmp_path / "rowwise_wgmma.cubin")
-    build_cubin_in_fresh_process("tests.kernels.test_rowwise_wgmma", f"_compile_sm90({dtype!r}, {azp_mode})", path)
-    sass = subprocess.check_output([cuobjdump, "-sass", path], text=True)
+    sass, _ = sm90_sass(tmp_path, "tests.kernels.test_rowwise_wgmma", f"_compile_sm90({dtype!r}, {azp_mode})")
     mma = re.findall(r"\b[IQ]GMMA\.64x128x32[^;]*", sass)
     assert len(mma) == 16, len(mma)  # 2 consumers x 2 halves x 4 K slices of 32
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)

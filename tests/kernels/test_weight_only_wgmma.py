@@ -3,16 +3,14 @@ the dispatch rule and the tile model, and its sm90 build with this Triton (offli
 must show the point of the kernel: wgmma left in flight while the next chunk converts. The GPU tests
 (tests/gpu/test_weight_only_wgmma_gpu.py) check its results."""
 
-import os
 import re
-import subprocess
 
 import pytest
 import torch
 
 import quantfuse as qf
 from quantfuse.kernels import weight_only_wgmma as ww
-from tests._util import build_cubin_in_fresh_process
+from tests._util import sm90_sass
 
 
 def test_shipped_configs_are_valid_and_bad_ones_refused():
@@ -98,14 +96,7 @@ def test_sm90_build_keeps_wgmma_in_flight(build, spill_free, tmp_path):
     """The point of the kernel, on its sm90 SASS: register-operand HGMMAs whose groups are retired two at a time
     (WARPGROUP.DEPBAR.LE gsb0, 0x2: the chunk before, while this chunk's products run), not waited for one by one
     (a DEPBAR 0x0 behind every HGMMA, what ptxas emits when it serializes the kernel, C7513)."""
-    import triton
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("this Triton wheel bundles no cuobjdump")
-    path = str(tmp_path / "wo_wgmma.cubin")
-    build_cubin_in_fresh_process("tests.kernels.test_weight_only_wgmma", f"_compile_sm90({build})", path)
-    sass = subprocess.check_output([cuobjdump, "-sass", path], text=True)
+    sass, _ = sm90_sass(tmp_path, "tests.kernels.test_weight_only_wgmma", f"_compile_sm90({build})")
     hgmma = re.findall(r"\bHGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass)
     assert len(hgmma) >= 16, "the weight should be the register A operand of 64xNx16 HGMMAs"
     assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x2\b", sass), "chunk t - 1 retired while chunk t runs"
