@@ -341,8 +341,11 @@ def test_rowwise_ws_padded_rows_and_nonfinite_scales():
 def test_rowwise_ws_config_errors():
     a, b = _operands(128, 128, 256, INT8)
     sa, sb = _scales(128, 256)
-    with pytest.raises(ValueError, match="block_m 128"):
-        kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, None, None, None, config=kmm.WsConfig(64, 256))
+    for bad in (kmm.WsConfig(64, 256), kmm.WsConfig(128, 256, 5), kmm.WsConfig(128, 192)):
+        with pytest.raises(ValueError, match="block_m 128"):
+            kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, None, None, None, config=bad)
+    empty = kmm.scaled_mm(a[:0], b, sa[:0], sb, torch.bfloat16, None, None, None, config=kmm.WsConfig())
+    assert empty.shape == (0, 256)
     odd_k = _operands(128, 100, 256, INT8)  # rows of 100 bytes: no tensor descriptor
     with pytest.raises(ValueError, match="WsConfig needs"):
         kmm.scaled_mm(odd_k[0], odd_k[1], sa, sb, torch.bfloat16, None, None, None, config=kmm.WsConfig())

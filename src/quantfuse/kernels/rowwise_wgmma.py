@@ -194,6 +194,7 @@ if GLUON_AVAILABLE and _aggregate is not None:
 
 
 BLOCK_K = 128  # one K step: 16 KiB of A and 32 KiB of B^T per slot at block_n 256
+SMEM_BYTES = 227 * 1024 - 1024  # sm90's per-block shared memory, less the barriers
 
 
 def _descriptor(t: torch.Tensor, block):
@@ -208,17 +209,20 @@ def scaled_mm_ws(a2d: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scal
     """The Gluon kernel; the caller checked `applies(a2d, b)` and validated the arguments (scaled_mm's contract:
     contiguous flat scales of numel 1, M or N, int32 azp_adj / azp)."""
     cfg = config or WsConfig()
-    if cfg.block_m != 128 or cfg.block_n not in (128, 256) or cfg.stages < 2:
+    slot_bytes = (cfg.block_m + cfg.block_n) * BLOCK_K
+    if cfg.block_m != 128 or cfg.block_n not in (128, 256) or not 2 <= cfg.stages <= SMEM_BYTES // slot_bytes:
         raise ValueError(f"config: the warp-specialized kernel takes block_m 128 (two 64-row consumers), block_n "
-                         f"128 or 256 and at least 2 stages, got {cfg}")
+                         f"128 or 256 and 2 to {SMEM_BYTES // slot_bytes} stages of {slot_bytes} bytes, got {cfg}")
     m, k = a2d.shape
     n = b.shape[1]
     out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
+    if out.numel() == 0:  # a tensor map cannot describe an empty operand
+        return out
     a_desc = _descriptor(a2d, [cfg.block_m, BLOCK_K])
     b_desc = _descriptor(b.t(), [cfg.block_n, BLOCK_K])
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     azp_mode = 0 if azp_adj is None else (1 if azp is None else 2)
-    launch_kernel(_rowwise_ws_kernel, (min(tiles, sm_count(a2d.device)),),
+    launch_kernel(_rowwise_ws_kernel, (max(1, min(tiles, sm_count(a2d.device))),),
         a_desc, b_desc, out, scale_a, scale_b,
         bias if bias is not None else out, azp_adj if azp_adj is not None else scale_a,
         azp if azp is not None else scale_a,

@@ -143,10 +143,10 @@ _SM90_INT8_LARGE_M = [MMConfig(128, 128, 128, 4, 3, tma=True, persistent=2), MMC
 # 4096x28672x8192: 1470 us vs 1621 for the 128x128 / 2-per-SM row; at 1024 rows it lost, 379 vs 351).
 _SM90_INT8_LONG_K = [MMConfig(128, 256, 128, 8, 3, tma=True, persistent=1)] + _SM90_INT8_LARGE_M
 # int8 from 1024 rows with K >= 14336: the warp-specialized Gluon kernel (WsConfig; rowwise_wgmma.py), in one
-# run against the shipped tiles (tune_scaled_mm_ws.json, per-token x per-channel + bias, bf16 out, CUDA
-# graphs): 1.05-1.11x at K = 28672 (1024x28672x8192 331 vs 349 us, 4096x28672x8192 1349 vs 1501), 1.06-1.10x at
-# K = 14336, 0.98-1.0x at K = 8192 (8192x10240) and 0.87-0.96x at K = 4096, where it is not taken; fp8 lost or
-# tied on every shape (0.75-1.01x), so fp8 keeps the tl tiles.
+# run against the shipped tiles, two device calls (tune_scaled_mm_ws.json, per-token x per-channel + bias, bf16
+# out, CUDA graphs): 1.05-1.16x at K = 28672 (1024x28672x8192 325 vs 353 us, 4096x28672x8192 1309 vs 1516),
+# 1.06-1.10x at K = 14336, 0.98-1.03x at K = 8192 and 0.87-0.96x at K = 4096, where it is not taken; fp8 lost or
+# tied on every shape (0.70-1.01x), so fp8 keeps the tl tiles.
 _SM90_INT8_WS = WsConfig(128, 256, 4, 8)
 CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": _SM90_SMALL_M + [
@@ -676,7 +676,9 @@ def scaled_mm(
     tma_ok = tma_applies(a2d, b)
     from . import rowwise_wgmma as rw
 
-    ws_ok = rw.applies(a2d, b)
+    def ws_ok() -> bool:
+        # asked when a plan is made or a WsConfig given, not on the cached-plan path
+        return tma_ok and rw.applies(a2d, b)
 
     def geometry(cfg: MMConfig) -> tuple:
         if isinstance(cfg, WsConfig):
@@ -692,7 +694,7 @@ def scaled_mm(
 
     def launch(cfg: MMConfig, plan: Optional[tuple] = None) -> torch.Tensor:
         if isinstance(cfg, WsConfig):
-            if not ws_ok:
+            if not ws_ok():
                 raise ValueError("config: a WsConfig needs sm90, Gluon and describable int8 / fp8 e4m3 operands "
                                  "(a [M, K] and b^T [N, K] K-contiguous with 16-byte aligned rows)")
             return rw.scaled_mm_ws(a2d, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, cfg)
@@ -733,11 +735,11 @@ def scaled_mm(
             plan = _PLANS.get(plan_key)
             if plan is None:
                 plan = geometry(_pick_config(CONFIGS, m, n, k, a2d.device, key, launch,
-                                             None if is_fp8 else "int8", tma_ok, ws_ok))
+                                             None if is_fp8 else "int8", tma_ok, ws_ok()))
                 remember_plan(_PLANS, plan_key, plan)
             return launch(plan[0], plan)
         config = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch, None if is_fp8 else "int8", tma_ok,
-                              ws_ok)
+                              ws_ok())
     return launch(config)
 
 
