@@ -315,8 +315,10 @@ def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
-    for other in (_operands(m, 4096, n, INT8), _operands(1023, k, n, INT8)[0:1] + (b, ), _operands(m, k, n, FP8)):
-        qf.scaled_mm(other[0], other[1], sa[: other[0].shape[0]], sb, torch.bfloat16, bias)
+    short_k = _operands(m, 4096, n, INT8)
+    fewer_rows = (_operands(1023, k, n, INT8)[0], b)
+    for a_other, b_other in (short_k, fewer_rows, _operands(m, k, n, FP8)):
+        qf.scaled_mm(a_other, b_other, sa[: a_other.shape[0]], sb, torch.bfloat16, bias)
     assert len(spy.calls) == 2  # the graph capture only
 
 

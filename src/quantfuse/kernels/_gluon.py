@@ -34,7 +34,7 @@ __all__ = ["GLUON_AVAILABLE", "sm90_exactly", "WS_CONSUMER_REGS", "WS_MAXNREG"]
 if GLUON_AVAILABLE:
     __all__ += ["gluon", "gl", "mbarrier", "mma_v2", "tma", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait",
                 "TensorDescriptor", "cta_barrier", "tma_load", "tile_coords", "signal_dependents", "ring_load",
-                "grid_dependency_sync"]
+                "fill_tiles", "grid_dependency_sync"]
 
     @gluon.jit
     def tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
@@ -61,6 +61,24 @@ if GLUON_AVAILABLE:
         tma_load(a_desc, [a_row, k], ready.index(slot), a_smem.index(slot))
         tma_load(b_desc, [b_row, k], ready.index(slot), b_smem.index(slot))
         return slot
+
+    @gluon.jit
+    def fill_tiles(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, GROUP_M: gl.constexpr,
+                   STAGES: gl.constexpr):
+        """A persistent warp-specialized GEMM's loader: every K step of every tile of this program (grouped order),
+        in order, into the ready / empty slot ring (ring_load; zero fill past M, N and K)."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        c = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n = tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            for ks in range(k_steps):
+                ring_load(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                          ks * BLOCK_K, STAGES, 0)
+                c += 1
 
     @gluon.jit
     def signal_dependents():

@@ -41,7 +41,7 @@ if GLUON_AVAILABLE:
     from ._gluon import TensorDescriptor as GluonTensorDescriptor
     from ._gluon import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from ._gluon import tile_coords as _tile_coords
-    from ._gluon import ring_load as _ring_load
+    from ._gluon import fill_tiles as _fill_tiles
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
     try:
         from triton.language.core import _aggregate
@@ -227,19 +227,7 @@ if GLUON_AVAILABLE:
                 out_scale_ptr, res_ptr, out_ptr, vt_ptr, M, N, K, stride_rm, stride_om, stride_vt, vt_rows,
                 a_scale, res_scale, res_scale_vec_ptr, HIDDEN, cfg):
         """Every K step of every tile of this program, in order, into the slot ring (zero fill past M, N, K)."""
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-        STAGES: gl.constexpr = cfg.STAGES
-        num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-        k_steps = gl.cdiv(K, BLOCK_K)
-        c = 0
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, cfg.GROUP_M)
-            for ks in range(k_steps):
-                _ring_load(a_desc, w_desc, a_smem, w_smem, ready, empty, c, pid_m * BLOCK_M, pid_n * BLOCK_N,
-                           ks * BLOCK_K, STAGES, 0)
-                c += 1
+        _fill_tiles(a_desc, w_desc, a_smem, w_smem, ready, empty, M, N, K, cfg.GROUP_M, cfg.STAGES)
 
     @gluon.jit
     def _ws_int8_gemm_kernel(

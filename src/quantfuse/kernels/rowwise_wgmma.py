@@ -38,7 +38,7 @@ _aggregate = None
 if GLUON_AVAILABLE:
     from ._gluon import TensorDescriptor as GluonTensorDescriptor
     from ._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
-    from ._gluon import ring_load as _ring_load
+    from ._gluon import fill_tiles as _fill_tiles
     from ._gluon import tile_coords as _tile_coords
     try:
         from triton.language.core import _aggregate
@@ -81,18 +81,7 @@ if GLUON_AVAILABLE and _aggregate is not None:
     def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
                 azp_adj_ptr, azp_ptr, M, N, K, stride_om, cfg):
         """Every K step of every tile of this program, in order, into the slot ring."""
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-        num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-        k_steps = gl.cdiv(K, BLOCK_K)
-        c = 0
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, cfg.GROUP_M)
-            for ks in range(k_steps):
-                _ring_load(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m * BLOCK_M, pid_n * BLOCK_N,
-                           ks * BLOCK_K, cfg.STAGES, 0)
-                c += 1
+        _fill_tiles(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, cfg.GROUP_M, cfg.STAGES)
 
     @gluon.jit
     def _epilogue(acc, rows, cols, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr, out_ptr, M, N,

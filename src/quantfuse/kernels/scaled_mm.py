@@ -674,11 +674,12 @@ def scaled_mm(
         azp = azp if azp.is_contiguous() else azp.contiguous()
     dummy = scale_a
     tma_ok = tma_applies(a2d, b)
-    from . import rowwise_wgmma as rw
 
     def ws_ok() -> bool:
         # asked when a plan is made or a WsConfig given, not on the cached-plan path
-        return tma_ok and rw.applies(a2d, b)
+        from .rowwise_wgmma import applies
+
+        return tma_ok and applies(a2d, b)
 
     def geometry(cfg: MMConfig) -> tuple:
         if isinstance(cfg, WsConfig):
@@ -697,7 +698,9 @@ def scaled_mm(
             if not ws_ok():
                 raise ValueError("config: a WsConfig needs sm90, Gluon and describable int8 / fp8 e4m3 operands "
                                  "(a [M, K] and b^T [N, K] K-contiguous with 16-byte aligned rows)")
-            return rw.scaled_mm_ws(a2d, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, cfg)
+            from .rowwise_wgmma import scaled_mm_ws  # imported here: it imports this module
+
+            return scaled_mm_ws(a2d, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, cfg)
         cfg, split, k_per_split, even_k, use_tma, persistent, grid = plan or geometry(cfg)
         ws = dummy
         # the reduce kernel launched early: the split-K kernel signals it at its start
