@@ -43,9 +43,9 @@ def _quantized(n, k, scheme, dtype):
                               scale_dtype=dtype if sdt == "x" else sdt)
 
 
-def _run(x, qw, bias=None, cfg=None, splits=None):
+def _run(x, qw, bias=None, cfg=None, splits=None, tail=None):
     return ww.wgmma_w4_mm(x, qw.qweight, qw.scales, qw.zeros, bias, qw.group_size, qw.shape[0], config=cfg,
-                          splits=splits)
+                          splits=splits, tail=tail)
 
 
 def _check_bound(y, x, qw, bias, label):
@@ -70,13 +70,15 @@ def test_identity_rows_give_w_hat_bit_for_bit(scheme, dtype):
     qw = _quantized(n, k, scheme, dtype)
     w_hat = qw.dequantize(dtype)
     for i, cfg in enumerate(CFGS):
-        for rows, splits in ((range(0, 256), None), (range(256, k), 3)):
+        # whole-K tiles, split-K, and the tail split (the last column tiles split over K in a second launch)
+        for rows, splits, tail in ((range(0, 256), None, None), (range(256, k), 3, None),
+                                   (range(0, 200), None, ww.TailSplit(1, 3)), (range(100, k), None, ww.TailSplit(2, 2))):
             rows = torch.tensor(list(rows), device=DEV)
             x = torch.zeros(len(rows), k, device=DEV, dtype=dtype)
             x[torch.arange(len(rows), device=DEV), rows] = 1
-            y = _run(x, qw, cfg=cfg, splits=splits)
+            y = _run(x, qw, cfg=cfg, splits=splits, tail=tail)
             bad = int((y != w_hat[:, rows].t()).sum())
-            assert bad == 0, f"{cfg} splits={splits}: {bad} outputs differ from w_hat"
+            assert bad == 0, f"{cfg} splits={splits} tail={tail}: {bad} outputs differ from w_hat"
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
@@ -95,6 +97,62 @@ def test_random_x_within_bound(k, n, ms, dtype):
             for splits in (None, 1) if j % 2 == 0 else (None, 5):
                 y = _run(x, qw, bias, cfg, splits)
                 _check_bound(y, x, qw, bias, f"{cfg.block_m} splits={splits} g{scheme[0]} K{k}N{n}M{m} {dtype}")
+
+
+@pytest.mark.parametrize("k,n,m,tail", [(4096, 6144, 1024, ww.TailSplit(33, 2)), (8192, 10240, 512, ww.TailSplit(66, 4)),
+                                        (7392, 257, 513, ww.TailSplit(1, 3)), (392, 300, 77, ww.TailSplit(2, 4))])
+def test_tail_split_is_the_two_launches_it_stands_for(k, n, m, tail):
+    """Main columns bit for bit the one-launch product, the tail columns bit for bit a split-K launch with the same
+    K partition (same partials, same reduce), bias on both; within the bound against the reference."""
+    for si, scheme in enumerate(SCHEMES[:3]):
+        qw = _quantized(n, k, scheme, BF16 if si % 2 == 0 else FP16)
+        dtype = BF16 if si % 2 == 0 else FP16
+        bias = torch.randn(n, device=DEV).to(dtype)
+        x = torch.randn(m, k, device=DEV).to(dtype)
+        for cfg in CFGS:
+            if tail.main_tiles_n >= -(-n // cfg.block_n):
+                continue
+            y = _run(x, qw, bias, cfg, tail=tail)
+            n_main = tail.main_tiles_n * cfg.block_n
+            whole = _run(x, qw, bias, cfg, splits=1)
+            split = _run(x, qw, bias, cfg, splits=tail.splits)
+            assert torch.equal(y[:, :n_main], whole[:, :n_main]), f"{cfg} {tail}: main columns"
+            assert torch.equal(y[:, n_main:], split[:, n_main:]), f"{cfg} {tail}: tail columns"
+            _check_bound(y, x, qw, bias, f"{cfg.block_m} {tail} g{scheme[0]} K{k}N{n}M{m}")
+
+
+def test_tail_split_chosen_by_the_model_runs_under_a_graph():
+    qw = _quantized(10240, 8192, SCHEMES[0], BF16)
+    x = torch.randn(1024, 8192, device=DEV).to(BF16)
+    cfg = ww.pick_config(1024, 10240, 8192, x.device)
+    tail = ww.tail_split_for(1024, 10240, 8192, cfg, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert tail is not None
+    want = _run(x, qw, cfg=cfg, tail=tail)
+    assert torch.equal(qf.weight_only_mm(x, qw), want)
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        qf.weight_only_mm(static_x, qw)
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = qf.weight_only_mm(static_x, qw)
+    x2 = torch.randn_like(x)
+    static_x.copy_(x2)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y, _run(x2, qw, cfg=cfg, tail=tail))
+
+
+def test_bad_tail_refused():
+    qw = _quantized(300, 392, SCHEMES[0], BF16)
+    x = torch.randn(64, 392, device=DEV).to(BF16)
+    for tail in (ww.TailSplit(0, 2), ww.TailSplit(3, 2), ww.TailSplit(1, 1), ww.TailSplit(1, 5)):
+        with pytest.raises(ValueError, match="tail"):
+            _run(x, qw, cfg=CFGS[0], tail=tail)
+    with pytest.raises(ValueError, match="splits and tail"):
+        _run(x, qw, cfg=CFGS[0], splits=2, tail=ww.TailSplit(1, 2))
 
 
 def test_special_rows_stay_in_their_rows():

@@ -44,7 +44,7 @@ def test_prefer_rule():
 @pytest.mark.parametrize("m,n,k,block_m", [
     (384, 10240, 8192, 128),   # 160 tiles of 256 rows: a nearly empty second wave
     (384, 28672, 4096, 128),
-    (512, 10240, 8192, 128),
+    (512, 10240, 8192, 256),   # 160 tiles: the 14-column tail split 4 ways (152 vs 209 us for 128 rows, one launch)
     (192, 8192, 28672, 256),   # one wave either way; split-K halves the 256-row tile's K loop
     (384, 4096, 14336, 256),
     (768, 10240, 8192, 256),
@@ -52,6 +52,22 @@ def test_prefer_rule():
 ])
 def test_tile_model_picks_the_measured_winner(m, n, k, block_m):
     assert ww.pick_config(m, n, k, None, arch="sm90", num_sms=132).block_m == block_m
+
+
+@pytest.mark.parametrize("m,n,k,block_m,plan", [
+    (1024, 10240, 8192, 256, (66, 2)),  # 320 tiles: 2 waves of 33 columns x 4 row tiles, 56 tail tiles split 2 ways
+    (512, 10240, 8192, 256, (66, 4)),   # 160 tiles: 28 tail tiles, 4 ways
+    (768, 8192, 28672, 256, (44, 2)),
+    (768, 10240, 8192, 256, None),      # 108 tail tiles: no room for a second split
+    (2048, 6144, 4096, 256, None),      # whole columns fill whole waves
+    (256, 6144, 4096, 256, None),       # 48 tiles: split-K over the whole product instead
+])
+def test_tail_split_plan(m, n, k, block_m, plan):
+    cfg = next(c for c in ww.all_configs("sm90") if c.block_m == block_m)
+    got = ww.tail_split_for(m, n, k, cfg, 132)
+    assert (got if got is None else (got.main_tiles_n, got.splits)) == plan
+    if plan is not None:
+        assert ww._waves(m, n, k, cfg, 132, got) < ww._waves(m, n, k, cfg, 132, None)
 
 
 def test_split_k_fills_the_gpu_only_where_tiles_are_few():

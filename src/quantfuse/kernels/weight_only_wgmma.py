@@ -35,7 +35,10 @@ chunk are loaded two chunks ahead into registers. The K loop is unrolled by two 
 registers stay fixed while its wgmma reads them (a copy of them would make ptxas serialize the wgmma).
 
 Split-K (programs over K ranges, float32 partials reduced by `weight_only.splitk_reduce`) fills the GPU where
-the tiles alone would not.
+the tiles alone would not. Where they fill some whole waves and leave a last wave mostly idle, the tail split
+(`TailSplit`) runs the last column tiles in a second launch split over K: H100, same-run alternated rounds, 1.07-1.57x
+the one-launch kernel on ten Llama-3 prefill shapes from M = 256 to 1024 (8192x10240 at M = 512: 152 vs 209 us;
+results/tune_weight_only_tail.json).
 
 Scope (`applies`): sm90 exactly, int4 codes, float16 / bfloat16 x describable by a tensor descriptor, groups of
 a power-of-two number of whole chunks or per channel. Everything else, and the Triton interpreter (Gluon has
@@ -125,12 +128,8 @@ def check_config(cfg: WgmmaW4Config) -> None:
 
 
 def _model_cost(m: int, n: int, k: int, cfg: WgmmaW4Config, num_sms: int) -> float:
-    """Waves of programs times each program's share of a full tile's K loop times the tile's row cost."""
-    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-    splits = splits_for(m, n, k, cfg, num_sms)
-    waves = cdiv(tiles * splits, num_sms)
-    total = cdiv(k, CHUNK)
-    return waves * cfg.block_m * cfg.row_cost * cdiv(total, splits) / total
+    """Waves of whole-K tiles (`_waves`, with the tail split where it applies) times the tile's row cost."""
+    return _waves(m, n, k, cfg, num_sms, tail_split_for(m, n, k, cfg, num_sms)) * cfg.block_m * cfg.row_cost
 
 
 def pick_config(m: int, n: int, k: int, device: torch.device, arch: Optional[str] = None,
@@ -264,7 +263,7 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _wo_wgmma_kernel(
         x_desc, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
-        M, N, K, stride_wn, stride_om, chunks_per_split, group_chunk_shift,
+        M, N, K, stride_wn, stride_om, chunks_per_split, group_chunk_shift, n_first, n_count,
         HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, SCALE16: gl.constexpr,
         STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -276,8 +275,9 @@ if GLUON_AVAILABLE:
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         w_l: gl.constexpr = _word_layout(gl.to_linear_layout(a_l, [BLOCK_N, _HALF]))
 
-        pid_n, pid_m = _tile_coords(gl.program_id(0), N, M, BLOCK_N, BLOCK_M, GROUP)
-        off_n = pid_n * BLOCK_N
+        # this launch's tiles: weight rows n_first .. n_first + n_count (`TailSplit`)
+        pid_n, pid_m = _tile_coords(gl.program_id(0), n_count, M, BLOCK_N, BLOCK_M, GROUP)
+        off_n = n_first + pid_n * BLOCK_N
         off_m = pid_m * BLOCK_M
         c_begin = gl.program_id(1) * chunks_per_split
         n_steps = gl.minimum(chunks_per_split, gl.cdiv(K, 2 * _HALF) - c_begin)
@@ -335,10 +335,12 @@ if GLUON_AVAILABLE:
         orows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
         ocols = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_l))
         mask = (orows < N)[:, None] & (ocols < M)[None, :]
-        offs = ocols.to(gl.int64)[None, :] * stride_om + orows[:, None]
         if SPLIT:
-            gl.store(out_ptr + gl.program_id(1).to(gl.int64) * M * N + offs, res, mask=mask)
+            # partials [splits, M, n_count] of this launch's columns
+            offs = ocols.to(gl.int64)[None, :] * stride_om + (orows - n_first)[:, None]
+            gl.store(out_ptr + gl.program_id(1).to(gl.int64) * M * stride_om + offs, res, mask=mask)
         else:
+            offs = ocols.to(gl.int64)[None, :] * stride_om + orows[:, None]
             if HAS_BIAS:
                 res += gl.load(bias_ptr + orows, mask=orows < N, other=0.0).to(gl.float32)[:, None]
             gl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
@@ -360,33 +362,110 @@ def splits_for(m: int, n: int, k: int, cfg: WgmmaW4Config, num_sms: int) -> int:
     return cdiv(total, cdiv(total, splits))
 
 
+@dataclass(frozen=True)
+class TailSplit:
+    """Two launches instead of one whose last wave of whole-K tiles would leave most SMs idle: the first
+    main_tiles_n column tiles (main_tiles_n x block_n weight rows) as whole-K tiles in whole waves, then the
+    remaining weight rows split `splits` ways over K (float32 partials, `weight_only.splitk_reduce`), so the last
+    wave takes about 1 / splits of a whole tile's time."""
+    main_tiles_n: int
+    splits: int
+
+
+MAX_TAIL_SPLITS = 4
+# the tail's partial stores and the reduce launch, in waves of whole tiles (a guess that keeps near-ties unsplit)
+_TAIL_OVERHEAD = 0.1
+
+
+def _waves(m: int, n: int, k: int, cfg: WgmmaW4Config, num_sms: int, tail: Optional[TailSplit]) -> float:
+    """Modelled duration in waves of whole-K tiles (one program per SM)."""
+    tiles_m = cdiv(m, cfg.block_m)
+    if tail is None:
+        splits = splits_for(m, n, k, cfg, num_sms)
+        total = cdiv(k, CHUNK)
+        return cdiv(tiles_m * cdiv(n, cfg.block_n) * splits, num_sms) * cdiv(total, splits) / total
+    tail_tiles = tiles_m * (cdiv(n, cfg.block_n) - tail.main_tiles_n)
+    return (cdiv(tiles_m * tail.main_tiles_n, num_sms) + cdiv(tail_tiles * tail.splits, num_sms) / tail.splits
+            + _TAIL_OVERHEAD)
+
+
+def tail_split_for(m: int, n: int, k: int, cfg: WgmmaW4Config, num_sms: int) -> Optional[TailSplit]:
+    """The `TailSplit` for this shape where the model says it is shorter than one launch, else None: the main
+    launch takes whole columns of tiles that fill whole waves, the tail gets as many K splits (up to
+    MAX_TAIL_SPLITS) as fit the SMs in one wave. Not where split-K already spreads the tiles (`splits_for`)."""
+    if splits_for(m, n, k, cfg, num_sms) > 1:
+        return None
+    tiles_m, tiles_n = cdiv(m, cfg.block_m), cdiv(n, cfg.block_n)
+    columns_per_wave = num_sms // tiles_m
+    if columns_per_wave == 0:
+        return None
+    main = tiles_n // columns_per_wave * columns_per_wave
+    tail_tiles = (tiles_n - main) * tiles_m
+    if main == 0 or tail_tiles == 0:
+        return None
+    splits = min(MAX_TAIL_SPLITS, num_sms // tail_tiles, cdiv(k, CHUNK))
+    if splits < 2:
+        return None
+    plan = TailSplit(main, splits)
+    return plan if _waves(m, n, k, cfg, num_sms, plan) < _waves(m, n, k, cfg, num_sms, None) else None
+
+
+def _check_tail(tail: TailSplit, n: int, k: int, cfg: WgmmaW4Config) -> None:
+    if not (1 <= tail.main_tiles_n < cdiv(n, cfg.block_n) and 2 <= tail.splits <= cdiv(k, CHUNK)):
+        raise ValueError(f"tail: expected 1 <= main_tiles_n < {cdiv(n, cfg.block_n)} column tiles of {cfg.block_n} "
+                         f"rows and 2 <= splits <= {cdiv(k, CHUNK)} chunks, got {tail}")
+
+
 def wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
-                config: Optional[WgmmaW4Config] = None, splits: Optional[int] = None) -> torch.Tensor:
+                config: Optional[WgmmaW4Config] = None, splits: Optional[int] = None,
+                tail: Optional[TailSplit] = None) -> torch.Tensor:
     """out [M, N] = x2d @ w_hat.T (+ bias) for int4 codes; the caller checked `applies` and validated the
-    arguments."""
+    arguments. splits (one launch split over K) and tail (`TailSplit`) override the model's choice; at most one
+    of them."""
     from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
 
     m, k = x2d.shape
     cfg = config or pick_config(m, n, k, x2d.device)
     check_config(cfg)
-    if splits is None:
-        splits = splits_for(m, n, k, cfg, sm_count(x2d.device))
-    total = cdiv(k, CHUNK)
-    chunks_per_split = cdiv(total, max(1, min(splits, total)))
-    splits = cdiv(total, chunks_per_split)
-    per_channel = scales.shape[0] == 1
-    group_chunk_shift = 30 if per_channel else (group_size // CHUNK).bit_length() - 1
+    if splits is not None and tail is not None:
+        raise ValueError(f"splits and tail: expected at most one of them, got splits={splits}, tail={tail}")
+    if splits is None and tail is None:
+        sms = sm_count(x2d.device)
+        splits = splits_for(m, n, k, cfg, sms)
+        tail = tail_split_for(m, n, k, cfg, sms)
+    if tail is not None:
+        _check_tail(tail, n, k, cfg)
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
-    split = splits > 1
-    dst = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out
-    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), splits)
-    launch_kernel(_wo_wgmma_kernel, grid,
-        _x_descriptor(x2d, cfg.block_m), qweight, scales, zeros if zeros is not None else scales,
-        bias if bias is not None else scales, dst,
-        m, n, k, qweight.stride(0), n, chunks_per_split, group_chunk_shift,
-        HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split, SCALE16=scales.dtype == x2d.dtype,
-        STAGES=cfg.stages, GROUP=cfg.group, num_warps=cfg.num_warps,
-    )
-    if split:
-        splitk_reduce(dst, bias, out)
+    x_desc = _x_descriptor(x2d, cfg.block_m)
+    group_chunk_shift = 30 if scales.shape[0] == 1 else (group_size // CHUNK).bit_length() - 1
+    total = cdiv(k, CHUNK)
+
+    def ways_of(wanted: int) -> int:  # K splits of whole chunks: as many as `wanted` allows evenly
+        return cdiv(total, cdiv(total, max(1, min(wanted, total))))
+
+    def launch(dst, n_first: int, n_count: int, ways: int) -> None:
+        """Weight rows n_first .. n_first + n_count into dst: out itself (ways 1, bias added) or float32 partials
+        [ways, M, n_count]."""
+        split = ways > 1
+        has_bias = bias is not None and not split
+        launch_kernel(_wo_wgmma_kernel, (cdiv(m, cfg.block_m) * cdiv(n_count, cfg.block_n), ways),
+            x_desc, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales, dst,
+            m, n, k, qweight.stride(0), dst.stride(-2), cdiv(total, ways), group_chunk_shift, n_first, n_count,
+            HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, SPLIT=split, SCALE16=scales.dtype == x2d.dtype,
+            STAGES=cfg.stages, GROUP=cfg.group, num_warps=cfg.num_warps,
+        )
+
+    n_main = n if tail is None else tail.main_tiles_n * cfg.block_n
+    ways = ways_of(splits) if tail is None else 1
+    if ways == 1:
+        launch(out, 0, n_main, 1)
+    else:
+        part = torch.empty((ways, m, n), dtype=torch.float32, device=x2d.device)
+        launch(part, 0, n, ways)
+        splitk_reduce(part, bias, out)
+    if tail is not None:
+        tail_ways = ways_of(tail.splits)
+        part = torch.empty((tail_ways, m, n - n_main), dtype=torch.float32, device=x2d.device)
+        launch(part, n_main, n - n_main, tail_ways)
+        splitk_reduce(part, None if bias is None else bias[n_main:], out[:, n_main:])
     return out
