@@ -263,7 +263,7 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _wo_wgmma_kernel(
         x_desc, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
-        M, N, K, stride_wn, stride_om, chunks_per_split, group_chunk_shift, n_first, n_count,
+        M, N, K, stride_wn, stride_om, chunks_per_split, group_chunk_shift, n_tile0, n_count,
         HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, SCALE16: gl.constexpr,
         STAGES: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -275,9 +275,10 @@ if GLUON_AVAILABLE:
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         w_l: gl.constexpr = _word_layout(gl.to_linear_layout(a_l, [BLOCK_N, _HALF]))
 
-        # this launch's tiles: weight rows n_first .. n_first + n_count (`TailSplit`)
+        # this launch's tiles: weight rows n_tile0 * BLOCK_N .. + n_count (`TailSplit`); a whole number of tiles in,
+        # so off_n stays a known multiple of BLOCK_N (aligned vector loads and stores)
         pid_n, pid_m = _tile_coords(gl.program_id(0), n_count, M, BLOCK_N, BLOCK_M, GROUP)
-        off_n = n_first + pid_n * BLOCK_N
+        off_n = (n_tile0 + pid_n) * BLOCK_N
         off_m = pid_m * BLOCK_M
         c_begin = gl.program_id(1) * chunks_per_split
         n_steps = gl.minimum(chunks_per_split, gl.cdiv(K, 2 * _HALF) - c_begin)
@@ -337,7 +338,7 @@ if GLUON_AVAILABLE:
         mask = (orows < N)[:, None] & (ocols < M)[None, :]
         if SPLIT:
             # partials [splits, M, n_count] of this launch's columns
-            offs = ocols.to(gl.int64)[None, :] * stride_om + (orows - n_first)[:, None]
+            offs = ocols.to(gl.int64)[None, :] * stride_om + (orows - n_tile0 * BLOCK_N)[:, None]
             gl.store(out_ptr + gl.program_id(1).to(gl.int64) * M * stride_om + offs, res, mask=mask)
         else:
             offs = ocols.to(gl.int64)[None, :] * stride_om + orows[:, None]
@@ -444,13 +445,14 @@ def wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
         return cdiv(total, cdiv(total, max(1, min(wanted, total))))
 
     def launch(dst, n_first: int, n_count: int, ways: int) -> None:
-        """Weight rows n_first .. n_first + n_count into dst: out itself (ways 1, bias added) or float32 partials
-        [ways, M, n_count]."""
+        """Weight rows n_first .. n_first + n_count (n_first a multiple of block_n) into dst: out itself (ways 1,
+        bias added) or float32 partials [ways, M, n_count]."""
         split = ways > 1
         has_bias = bias is not None and not split
         launch_kernel(_wo_wgmma_kernel, (cdiv(m, cfg.block_m) * cdiv(n_count, cfg.block_n), ways),
             x_desc, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales, dst,
-            m, n, k, qweight.stride(0), dst.stride(-2), cdiv(total, ways), group_chunk_shift, n_first, n_count,
+            m, n, k, qweight.stride(0), dst.stride(-2), cdiv(total, ways), group_chunk_shift, n_first // cfg.block_n,
+            n_count,
             HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, SPLIT=split, SCALE16=scales.dtype == x2d.dtype,
             STAGES=cfg.stages, GROUP=cfg.group, num_warps=cfg.num_warps,
         )
