@@ -48,6 +48,24 @@ def _run(x, qw, bias=None, cfg=None, splits=None, tail=None):
                           splits=splits, tail=tail)
 
 
+def _graph_replayed(x, qw):
+    """quantfuse.weight_only_mm captured in a CUDA graph on a copy of x, replayed on fresh values x2: (x2, output)."""
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        qf.weight_only_mm(static_x, qw)
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = qf.weight_only_mm(static_x, qw)
+    x2 = torch.randn_like(x)
+    static_x.copy_(x2)
+    g.replay()
+    torch.cuda.synchronize()
+    return x2, static_y
+
+
 def _check_bound(y, x, qw, bias, label):
     w = qw.dequantize(x.dtype).float()
     old = torch.backends.cuda.matmul.allow_tf32
@@ -129,20 +147,8 @@ def test_tail_split_chosen_by_the_model_runs_under_a_graph():
     assert tail is not None
     want = _run(x, qw, cfg=cfg, tail=tail)
     assert torch.equal(qf.weight_only_mm(x, qw), want)
-    static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        qf.weight_only_mm(static_x, qw)
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static_y = qf.weight_only_mm(static_x, qw)
-    x2 = torch.randn_like(x)
-    static_x.copy_(x2)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static_y, _run(x2, qw, cfg=cfg, tail=tail))
+    x2, y2 = _graph_replayed(x, qw)
+    assert torch.equal(y2, _run(x2, qw, cfg=cfg, tail=tail))
 
 
 def test_bad_tail_refused():
@@ -191,17 +197,5 @@ def test_dispatch_graph_and_fallback(monkeypatch):
     _check_bound(qf.weight_only_mm(xp, qw), xp, qw, None, "padded view")
     assert calls == [256]
     # CUDA graph capture and replay
-    static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        qf.weight_only_mm(static_x, qw)
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static_y = qf.weight_only_mm(static_x, qw)
-    x2 = torch.randn_like(x)
-    static_x.copy_(x2)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static_y, real(x2, qw.qweight, qw.scales, qw.zeros, None, 128, 6144))
+    x2, y2 = _graph_replayed(x, qw)
+    assert torch.equal(y2, real(x2, qw.qweight, qw.scales, qw.zeros, None, 128, 6144))

@@ -925,7 +925,7 @@ def _dequant_kernel(
 
     A chunk's words hold field f of word j at k = 16 f + j, so the [BLOCK_N, fields, 16] tensor of fields is the
     chunk's row segment in k order: one contiguous store of the segment per row (a store per field wrote 32-byte
-    pieces of every row: 2.26 TB/s against 2.44-2.54 on the H100, tune_weight_only_dequant.json)."""
+    pieces of every row: 2.26-2.37 TB/s against 2.44-2.54 on the H100, tune_weight_only_dequant.json)."""
     FIELDS: tl.constexpr = 32 // BITS
     CHUNK: tl.constexpr = 16 * FIELDS
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
