@@ -47,8 +47,9 @@ none), runs the `tl` kernels.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -139,8 +140,15 @@ def pick_config(m: int, n: int, k: int, device: torch.device, arch: Optional[str
     at M = 384 211.6 vs 231.6; at M = 192 on 28672x8192, where both fill one wave, split-K halves the 256-row
     tile's K loop: 193.7 us vs 240.8)."""
     sms = num_sms or sm_count(device)
-    arch = arch or arch_key(device.type, device.index)
-    return min(WGMMA_W4_CONFIGS[arch], key=lambda c: _model_cost(m, n, k, c, sms))
+    return plan(m, n, k, arch or arch_key(device.type, device.index), sms)[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def plan(m: int, n: int, k: int, arch: str, num_sms: int) -> Tuple[WgmmaW4Config, int, Optional["TailSplit"]]:
+    """(config, split-K count, tail split) the model picks for this shape, kept per shape: the model walks every
+    candidate's waves with and without a tail split (several microseconds of Python per prefill call)."""
+    cfg = min(WGMMA_W4_CONFIGS[arch], key=lambda c: _model_cost(m, n, k, c, num_sms))
+    return cfg, splits_for(m, n, k, cfg, num_sms), tail_split_for(m, n, k, cfg, num_sms)
 
 
 def prefer(m: int, n: int, k: int, arch: str, scale16: bool = False) -> bool:
@@ -426,14 +434,17 @@ def wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
 
     m, k = x2d.shape
-    cfg = config or pick_config(m, n, k, x2d.device)
-    check_config(cfg)
     if splits is not None and tail is not None:
         raise ValueError(f"splits and tail: expected at most one of them, got splits={splits}, tail={tail}")
-    if splits is None and tail is None:
-        sms = sm_count(x2d.device)
-        splits = splits_for(m, n, k, cfg, sms)
-        tail = tail_split_for(m, n, k, cfg, sms)
+    if config is None and splits is None and tail is None:
+        cfg, splits, tail = plan(m, n, k, arch_key(x2d.device.type, x2d.device.index), sm_count(x2d.device))
+    else:
+        cfg = config or pick_config(m, n, k, x2d.device)
+        if splits is None and tail is None:
+            sms = sm_count(x2d.device)
+            splits = splits_for(m, n, k, cfg, sms)
+            tail = tail_split_for(m, n, k, cfg, sms)
+    check_config(cfg)
     if tail is not None:
         _check_tail(tail, n, k, cfg)
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
