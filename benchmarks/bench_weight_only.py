@@ -128,10 +128,8 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
     table = kw._table(dev)
     sm90_gluon = gt.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
     if bits == 4 and sm90_gluon and ww.prefer(m, n, k, "sm90", SCALE_DTYPE == BF16):  # group 128: applies
-        cfg = ww.pick_config(m, n, k, dev)
-        sms = kw._num_sms(dev)
-        tail = ww.tail_split_for(m, n, k, cfg, sms)
-        return (f"gluon wgmma {cfg.block_m}x{cfg.block_n} splitK={ww.splits_for(m, n, k, cfg, sms)}"
+        cfg, splits, tail = ww.plan(m, n, k, "sm90", kw._num_sms(dev))  # what wgmma_w4_mm runs
+        return (f"gluon wgmma {cfg.block_m}x{cfg.block_n} splitK={splits}"
                 + ("" if tail is None else f" tail {tail.main_tiles_n}+{tail.splits}way"))
     if m >= table["cublas_min_m"]:
         return "dequant+cublas"
