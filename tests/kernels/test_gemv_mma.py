@@ -33,7 +33,8 @@ def test_never_applies_on_cpu_tensors_or_outside_its_scope():
 def test_prefer_rule():
     assert kw.prefer_gemv_mma(1, 28672, 4096)
     assert kw.prefer_gemv_mma(1, 14336, 4096)
-    assert not kw.prefer_gemv_mma(1, 6144, 4096)  # the tl GEMV is ahead on the small M = 1 shapes
+    assert kw.prefer_gemv_mma(1, 6144, 4096) and kw.prefer_gemv_mma(1, 4096, 4096)  # early refill wins there
+    assert not kw.prefer_gemv_mma(1, 1024, 4096)  # the tl GEMV stays ahead below 4096x4096
     assert kw.prefer_gemv_mma(2, 4096, 4096) and kw.prefer_gemv_mma(8, 4096, 4096)
     assert not kw.prefer_gemv_mma(8, 1024, 4096)
     assert kw.prefer_gemv_mma(9, 28672, 4096) and kw.prefer_gemv_mma(16, 4096, 4096)
@@ -52,7 +53,8 @@ def _compile_sm90(dtype="bf16", per_channel=False, has_zero=False, mp=8, cfg=Non
     fn = gm._wo_mma_decode_kernel
     names = fn.arg_names
     consts = dict(HAS_ZERO=has_zero, HAS_BIAS=True, SPLIT=True, FUSED_REDUCE=True, PER_CHANNEL=per_channel,
-                  EVEN_K=True, BLOCK_N=cfg.block_n, MP=mp, num_warps=cfg.num_warps, SIGNAL=signal)
+                  EVEN_K=True, BLOCK_N=cfg.block_n, MP=mp, num_warps=cfg.num_warps, SIGNAL=signal,
+                  EARLY_REFILL=bool(cfg.early_refill))
     ptrs = dict(x_ptr="*" + dtype, w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", bias_ptr="*" + dtype,
                 out_ptr="*" + dtype, part_ptr="*fp32", count_ptr="*i32")
     sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in names}
@@ -80,4 +82,19 @@ def test_sm90_build_converts_in_registers_without_spills(dtype, per_channel, has
     # per chunk and 16-row tile: 8 words x 4 pairs = 32 HADD2 per lane, 8 x (mp / 8) HMMA (a few HADD2 outside
     # the loop in float16: the epilogue)
     assert 4 * hmma <= hadd * (mp // 8) <= 4 * hmma + 16, (hadd, hmma)
+    assert not re.search(r"\b(STL|LDL)\b", sass), "register spills"
+
+
+@pytest.mark.skipif(not gm.GLUON_AVAILABLE, reason="this Triton has no Gluon")
+def test_sm90_early_refill_build_holds_a_third_buffer_without_spills(tmp_path):
+    """Early refill (a buffer's next chunk loaded before its chunk is converted) keeps three chunks of words in
+    registers at M <= 8: more registers than the two-buffer loop, still no spills, still 16-byte loads."""
+    early = "gm.MmaDecodeConfig(128, 4, 3, early_refill=True)"
+    sass, usage = sm90_sass(tmp_path, "tests.kernels.test_gemv_mma", f"_compile_sm90('bf16', False, False, 8, {early})")
+    _, usage_late = sm90_sass(tmp_path, "tests.kernels.test_gemv_mma",
+                              "_compile_sm90('bf16', False, False, 8, gm.MmaDecodeConfig(128, 4, 3))")
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    regs_late = int(re.search(r"REG:(\d+)", usage_late).group(1))
+    assert regs > regs_late, (regs, regs_late)
+    assert re.search(r"\bLDG\.E\.128\b", sass)
     assert not re.search(r"\b(STL|LDL)\b", sass), "register spills"

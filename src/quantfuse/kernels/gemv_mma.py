@@ -84,11 +84,14 @@ if GLUON_AVAILABLE:  # the kernel's copies (a @jit function reads constexpr glob
 class MmaDecodeConfig:
     """block_n rows per program (16 x num_warps x row tiles per warp: a warp's x fragment serves its tiles);
     programs_per_sm sets the split-K target (row blocks x splits ~ programs_per_sm x SMs); fused_reduce: the
-    last split of a row block adds the partials (with a counter slot), else `weight_only.splitk_reduce` does."""
+    last split of a row block adds the partials (with a counter slot), else `weight_only.splitk_reduce` does;
+    early_refill: each register buffer's next chunk is loaded before its chunk is converted (three buffers' worth
+    of registers, two chunks in flight under each conversion)."""
     block_n: int
     num_warps: int
     programs_per_sm: int
     fused_reduce: bool = True
+    early_refill: bool = False
 
 
 # Per architecture, (largest M, candidates) by increasing M: the first candidate of M's bucket runs, the rest
@@ -99,8 +102,16 @@ class MmaDecodeConfig:
 # 12 / 16, CUDA graphs), and 128 rows x 4 warps x 2 programs per SM is within 1% of the best candidate on each.
 # A TMA-fed variant (words through a shared-memory ring, 124 registers at M = 16) measured 0.7-1.0x these picks
 # at M = 1..16 and was not kept (results/tune_gemv_mma_tma*.json).
-_INT4_ONE_TILE = [MmaDecodeConfig(128, 4, 4), MmaDecodeConfig(64, 4, 8), MmaDecodeConfig(128, 4, 2),
-                  MmaDecodeConfig(256, 8, 2), MmaDecodeConfig(64, 2, 8), MmaDecodeConfig(128, 8, 4)]
+# M = 1..8: early refill, 128 rows x 8 warps x 2 programs per SM (127 registers: two programs fill the register
+# file). Same H100 run (results/tune_gemv_mma_early_refill.json, 7 shapes 4096x4096..28672x8192, M = 1 / 4 / 8,
+# CUDA graphs): geometric mean 1.069x the earlier pick (128 rows x 4 warps x 4, two chunks in flight under each
+# conversion's load of the other buffer only), 0.98-1.17x per case; M = 1 4096x28672 29.3 us vs 30.4, 14336x4096
+# 16.7 vs 18.2, 8192x10240 22.7 vs 24.2. Why: a read-only kernel with this kernel's access pattern (8 rows x 64
+# bytes per warp load, float32 scales) streamed 4096x28672's bytes in 27.4 us against 30.6 for the kernel
+# (results/tune_gemv_mma_pattern_read.json): the loads waited on the conversion.
+_INT4_ONE_TILE = [MmaDecodeConfig(128, 8, 2, early_refill=True), MmaDecodeConfig(128, 4, 4),
+                  MmaDecodeConfig(64, 4, 4, early_refill=True), MmaDecodeConfig(128, 4, 3, early_refill=True),
+                  MmaDecodeConfig(64, 4, 8), MmaDecodeConfig(128, 8, 4)]
 _INT4_TWO_TILES = [MmaDecodeConfig(128, 4, 2, False), MmaDecodeConfig(128, 4, 3, False),
                    MmaDecodeConfig(128, 4, 4, False), MmaDecodeConfig(256, 4, 1, False), MmaDecodeConfig(128, 4, 2)]
 MMA_DECODE_CONFIGS: Dict[str, List[Tuple[int, List[MmaDecodeConfig]]]] = {
@@ -290,6 +301,7 @@ if GLUON_AVAILABLE:
         HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, FUSED_REDUCE: gl.constexpr,
         PER_CHANNEL: gl.constexpr, EVEN_K: gl.constexpr, BLOCK_N: gl.constexpr, MP: gl.constexpr,
         num_warps: gl.constexpr, SIGNAL: gl.constexpr = False, PDL: gl.constexpr = False,
+        EARLY_REFILL: gl.constexpr = False,
     ):
         # PDL: launched early (configs.decode_pdl); nothing is read before the wait, which also signals
         grid_dependency_sync(PDL)
@@ -332,15 +344,29 @@ if GLUON_AVAILABLE:
                                      c_begin + 1, n_steps > 1, group_chunk_shift, HAS_ZERO, PER_CHANNEL, EVEN_K)
         acc = gl.zeros([BLOCK_N, MP], gl.float32, mma)
         for t in range(0, n_steps, 2):
+            # EARLY_REFILL: a buffer's refill is issued before its chunk is converted (a third buffer's registers),
+            # so two chunks stay in flight during every conversion instead of one
+            if EARLY_REFILL:
+                na, nxa, nsa, nza = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s,
+                                                rows_z, N, c_begin + t + 2, t + 2 < n_steps, group_chunk_shift,
+                                                HAS_ZERO, PER_CHANNEL, EVEN_K)
             acc = _chunk_product(acc, wa, xa, sa, za, a_l, b_l, DT, PER_CHANNEL)
-            wa, xa, sa, za = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z,
-                                         N, c_begin + t + 2, t + 2 < n_steps, group_chunk_shift, HAS_ZERO,
-                                         PER_CHANNEL, EVEN_K)
+            if not EARLY_REFILL:
+                na, nxa, nsa, nza = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s,
+                                                rows_z, N, c_begin + t + 2, t + 2 < n_steps, group_chunk_shift,
+                                                HAS_ZERO, PER_CHANNEL, EVEN_K)
+            wa, xa, sa, za = na, nxa, nsa, nza
+            if EARLY_REFILL:
+                nb, nxb, nsb, nzb = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s,
+                                                rows_z, N, c_begin + t + 3, t + 3 < n_steps, group_chunk_shift,
+                                                HAS_ZERO, PER_CHANNEL, EVEN_K)
             if t + 1 < n_steps:
                 acc = _chunk_product(acc, wb, xb, sb, zb, a_l, b_l, DT, PER_CHANNEL)
-            wb, xb, sb, zb = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z,
-                                         N, c_begin + t + 3, t + 3 < n_steps, group_chunk_shift, HAS_ZERO,
-                                         PER_CHANNEL, EVEN_K)
+            if not EARLY_REFILL:
+                nb, nxb, nsb, nzb = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s,
+                                                rows_z, N, c_begin + t + 3, t + 3 < n_steps, group_chunk_shift,
+                                                HAS_ZERO, PER_CHANNEL, EVEN_K)
+            wb, xb, sb, zb = nb, nxb, nsb, nzb
 
         cols = gl.arange(0, MP, layout=gl.SliceLayout(0, mma))
         out_mask = (rows_s < N)[:, None] & (cols < M)[None, :]
@@ -404,7 +430,7 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
         splits, group_chunk_shift,
         HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, SPLIT=split, FUSED_REDUCE=fused, PER_CHANNEL=per_channel,
         EVEN_K=k % CHUNK == 0, BLOCK_N=cfg.block_n, MP=8 if m <= 8 else 16, num_warps=cfg.num_warps, SIGNAL=pdl,
-        PDL=early, **pdl_launch_options(early),
+        PDL=early, EARLY_REFILL=bool(cfg.early_refill), **pdl_launch_options(early),
     )
     if split and not fused:
         splitk_reduce(part.view(splits, -1, n), bias, out, pdl=pdl)

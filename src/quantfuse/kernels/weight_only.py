@@ -60,8 +60,7 @@ Kernels:
   (`prefer_gemv_tma`), where it measured faster on the H100.
 - `gemv_mma` (Gluon, sm90, int4, M <= 16): the scale-after product on mma.sync, the packed words converted in
   registers straight into the A operand (two weights per LOP3 + HADD2); `weight_only_mm` runs it in the measured
-  M and N x K ranges of `GEMV_MMA_MIN_WEIGHTS` (M = 1 on the large shapes, 2..8 from 4096x4096 up, 9..16 from
-  4096x1024 up).
+  M and N x K ranges of `GEMV_MMA_MIN_WEIGHTS` (M = 1..8 from 4096x4096 up, 9..16 from 4096x1024 up).
 - `weight_only_wgmma` (Gluon, sm90, int4, prefill-sized M): the same w_hat into an asynchronous register-operand
   wgmma, so converting the next chunk overlaps the current chunk's product (the `tl` kernel waits for each
   chunk's product first); `weight_only_mm` runs it where `weight_only_wgmma.prefer` says (M = 129..1024, from
@@ -1195,8 +1194,10 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
 # GEMV from 4096x14336 up (28672x8192 56.2 us = 0.74 of copy bandwidth, 3.0x bf16) but 0.92-0.97x on 4096x1024 /
 # 4096x4096 / 4096x6144; M = 2..8 1.16-1.37x the tl mma tile from 4096x4096 up, 0.91-1.03x at 4096x1024. M = 9..16
 # (two n-tiles of the instruction; gemv_mma's second bucket, split-K reduced by the reduce kernel): 1.06-1.24x the
-# tl mma tile on all eight shapes from 4096x1024 up (results/tune_gemv_mma_m16.json, M = 9 / 12 / 16).
-GEMV_MMA_MIN_WEIGHTS = ((1, 48 << 20), (8, 8 << 20), (16, 4 << 20))  # (largest M, smallest N x K), by increasing M
+# tl mma tile on all eight shapes from 4096x1024 up (results/tune_gemv_mma_m16.json, M = 9 / 12 / 16). With early
+# refill (gemv_mma's M <= 8 pick since results/tune_gemv_mma_early_refill.json) M = 1 also wins at 4096x4096 (7.2
+# us vs 7.9 for the tl GEMV) and 4096x6144 (9.7 vs 10.0), so M = 1 runs it from 4096x4096 up.
+GEMV_MMA_MIN_WEIGHTS = ((1, 16 << 20), (8, 8 << 20), (16, 4 << 20))  # (largest M, smallest N x K), by increasing M
 
 
 def prefer_gemv_mma(m: int, n: int, k: int) -> bool:
