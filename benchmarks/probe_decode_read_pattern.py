@@ -13,12 +13,18 @@ Result: results/tune_gemv_mma_pattern_read.json."""
 import json
 import os
 import sys
-import torch, triton, triton.language as tl
+
+import torch
+import triton
+import triton.language as tl
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common
-from bench_read_floor import read_sum
-from bench_weight_only import clone_qw, qw_bytes
-import quantfuse as qf
+import common  # noqa: E402
+from bench_read_floor import read_sum  # noqa: E402
+from bench_weight_only import clone_qw, qw_bytes  # noqa: E402
+
+import quantfuse as qf  # noqa: E402
+
 
 @triton.jit
 def _pattern_kernel(w, s, out, N, KW, chunks_per_split, n_chunks, BLOCK_N: tl.constexpr, SCALES: tl.constexpr,
@@ -48,6 +54,7 @@ def _pattern_kernel(w, s, out, N, KW, chunks_per_split, n_chunks, BLOCK_N: tl.co
         b = tl.load(ptrs + (t + 3) * WORDS, mask=ok_n[:, None] & (kk + t + 3 < n))
     tl.store(out + pid_n * tl.num_programs(1) + pid_s, tl.sum(tl.sum(acc, 1), 0) + tl.sum(sacc, 0).to(tl.int32))
 
+
 def pattern_read(qw, out, block_n, pps, sms, warps, scales):
     n, kw = qw.qweight.shape
     n_chunks = kw // 16
@@ -58,6 +65,7 @@ def pattern_read(qw, out, block_n, pps, sms, warps, scales):
     _pattern_kernel[(grid_n, splits)](qw.qweight, qw.scales, out, n, kw, cps, n_chunks, BLOCK_N=block_n,
                                       SCALES=scales, WORDS=16, num_warps=warps)
 
+
 def main():
     dry = "--dry" in sys.argv
     dev = "cpu" if dry else "cuda"
@@ -67,13 +75,14 @@ def main():
     for k, n in shapes:
         qw = qf.quantize_weight(torch.randn(n, k, device=dev), bits=4, group_size=128, symmetric=True,
                                 scale_dtype=torch.float32)
-        print(k, n, tuple(qw.qweight.shape), qw.qweight.stride(), tuple(qw.scales.shape), qw.scales.dtype, flush=True)
         out = torch.zeros(1 << 16, dtype=torch.int32, device=dev)
         if dry:
             pattern_read(qw, out, 64, 4, sms, 4, False)
-            exp = int(qw.qweight.to(torch.int64).sum()) 
+            exp = int(qw.qweight.to(torch.int64).sum())
             got = int(out.to(torch.int64).sum())
-            print("pattern sum ok", (exp - got) % (1 << 32) == 0)
+            if (exp - got) % (1 << 32):
+                raise SystemExit(f"pattern read sum {got} != {exp} (mod 2^32)")
+            print("pattern read sum ok")
             return
         nbytes = qw_bytes(qw)
         sets = [qw] + [clone_qw(qw) for _ in range(common.rotation_count(nbytes) - 1)]
@@ -85,12 +94,13 @@ def main():
                 for pps in (2, 4, 8):
                     for sc in (False, True):
                         key = f"pattern_b{bn}_p{pps}{'_s' if sc else ''}_{r}"
-                        res[key] = common.graph_us(lambda q, bn=bn, pps=pps, sc=sc: pattern_read(q, out, bn, pps, sms, 4, sc),
-                                                   [(q,) for q in sets])
+                        res[key] = common.graph_us(
+                            lambda q, bn=bn, pps=pps, sc=sc: pattern_read(q, out, bn, pps, sms, 4, sc),
+                            [(q,) for q in sets])
             words = [q.qweight.view(-1) for q in sets]
             for pps in (4, 16, 64):
-                res[f"contig_p{pps}_{r}"] = common.graph_us(lambda b, pps=pps: read_sum(b, out, pps * sms, 2048, 8, True),
-                                                            [(b,) for b in words])
+                res[f"contig_p{pps}_{r}"] = common.graph_us(
+                    lambda b, pps=pps: read_sum(b, out, pps * sms, 2048, 8, True), [(b,) for b in words])
         print(json.dumps({k2: (round(v, 2) if isinstance(v, float) else v) for k2, v in res.items()}), flush=True)
         rows.append(res)
         del sets, qw

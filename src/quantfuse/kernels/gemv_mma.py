@@ -104,8 +104,8 @@ class MmaDecodeConfig:
 # at M = 1..16 and was not kept (results/tune_gemv_mma_tma*.json).
 # M = 1..8: early refill, 128 rows x 8 warps x 2 programs per SM (127 registers: two programs fill the register
 # file). Same H100 run (results/tune_gemv_mma_early_refill.json, 7 shapes 4096x4096..28672x8192, M = 1 / 4 / 8,
-# CUDA graphs): geometric mean 1.069x the earlier pick (128 rows x 4 warps x 4, two chunks in flight under each
-# conversion's load of the other buffer only), 0.98-1.17x per case; M = 1 4096x28672 29.3 us vs 30.4, 14336x4096
+# CUDA graphs): geometric mean 1.069x the earlier pick (128 rows x 4 warps x 4 programs per SM, whose loop has one
+# chunk in flight under each conversion), 0.98-1.21x per case; M = 1 4096x28672 29.3 us vs 30.4, 14336x4096
 # 16.7 vs 18.2, 8192x10240 22.7 vs 24.2. Why: a read-only kernel with this kernel's access pattern (8 rows x 64
 # bytes per warp load, float32 scales) streamed 4096x28672's bytes in 27.4 us against 30.6 for the kernel
 # (results/tune_gemv_mma_pattern_read.json): the loads waited on the conversion.
