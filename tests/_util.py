@@ -28,6 +28,39 @@ def build_cubin_in_fresh_process(module: str, expression: str, path: str) -> Non
     assert done.returncode == 0, f"sm90 build of {module}: {expression} failed:\n{done.stderr[-3000:]}"
 
 
+def gluon_sm90_build(fn, args, consts, divisible=lambda name, typ: False, **options):
+    """The Gluon kernel `fn` compiled for sm90 by this Triton (Triton internals: GluonASTSource, mangle_type,
+    GPUTarget). args: argument name -> a type string ("*bf16") or a value typed as the launcher would (tensor,
+    descriptor); every other non-constexpr argument is an i32. consts: the constexprs; one the kernel declares with
+    a default and `consts` leaves out takes that default (left out of the signature it would silently become a
+    runtime i32, compiling both sides of every branch on it). divisible(name, type): the arguments specialized as
+    multiples of 16, as the launcher sees them at aligned shapes. options: compile options (num_warps, maxnreg)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    consts = dict(consts)
+    for p in fn.params:
+        if p.is_constexpr and p.name not in consts:
+            assert p.has_default, f"{fn.__name__}: constexpr {p.name} needs a value"
+            consts[p.name] = p.default
+    names = fn.arg_names
+    sig = {}
+    for a in names:
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a in args:
+            sig[a] = args[a] if isinstance(args[a], str) else mangle_type(args[a])
+        else:
+            sig[a] = "i32"
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
+             if sig[a] != "constexpr" and divisible(a, sig[a])}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()},
+                         attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def sm90_sass(tmp_path, module: str, expression: str):
     """(SASS, resource usage) of `expression` (a compiled kernel in `module`'s namespace) built for sm90 in a fresh
     process and disassembled by the cuobjdump bundled with Triton; the calling test is skipped where the wheel has

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from quantfuse.kernels import blockwise_wgmma as bw
+from quantfuse.kernels import _gluon
 from quantfuse.kernels import scaled_mm as kmm
-from tests._util import sm90_sass
+from tests._util import gluon_sm90_build, sm90_sass
 
 FP8 = torch.float8_e4m3fn
 
@@ -41,17 +42,12 @@ def test_table_shape():
 
 
 def _compile_sm90(cfg: bw.WgmmaConfig, scale_smem: bool = True):
-    """The kernel `cfg` selects, built for sm90 by this Triton (Triton internals: GluonASTSource, mangle_type,
-    GPUTarget); scale_smem: the warp-specialized kernel's shared-memory scale path."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
+    """The kernel `cfg` selects, built for sm90 by this Triton; scale_smem: the warp-specialized kernel's
+    shared-memory scale path."""
     a, b, sa, sb = _operands()
     out = torch.empty(a.shape[0], b.shape[1], dtype=torch.bfloat16)
-    a_desc = bw._descriptor(a, [cfg.block_m, bw.SCALE_BLOCK])
-    args = dict(a_desc=a_desc, b_desc=bw._descriptor(b.t(), [cfg.block_n, bw.SCALE_BLOCK]),
+    a_desc = _gluon.operand_descriptor(a, [cfg.block_m, bw.SCALE_BLOCK])
+    args = dict(a_desc=a_desc, b_desc=_gluon.operand_descriptor(b.t(), [cfg.block_n, bw.SCALE_BLOCK]),
                 out_ptr=out, scale_a_ptr=sa, scale_b_ptr=sb, bias_ptr=out)
     consts = dict(HAS_BIAS=True, GROUP_M=cfg.group_m, STAGES=cfg.stages, SCALE_BLOCK=bw.SCALE_BLOCK,
                   num_warps=cfg.num_warps)
@@ -61,10 +57,7 @@ def _compile_sm90(cfg: bw.WgmmaConfig, scale_smem: bool = True):
         args["sa_desc"] = bw._scale_descriptor(sa_t, [1, cfg.block_m]) if scale_smem else a_desc
         consts.update(SCALE_SMEM=scale_smem, CONSUMER_REGS=bw.WS_CONSUMER_REGS, num_warps=4)
         fn, options = bw._ws_kernel, dict(num_warps=4, maxnreg=bw.WS_MAXNREG)
-    names = fn.arg_names
-    sig = {n: "constexpr" if n in consts else (mangle_type(args[n]) if n in args else "i32") for n in names}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs={})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return gluon_sm90_build(fn, args, consts, **options)
 
 
 def _build_expression(cfg: bw.WgmmaConfig, scale_smem: bool) -> str:

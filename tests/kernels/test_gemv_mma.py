@@ -10,7 +10,7 @@ import torch
 import quantfuse as qf
 from quantfuse.kernels import gemv_mma as gm
 from quantfuse.kernels import weight_only as kw
-from tests._util import sm90_sass
+from tests._util import gluon_sm90_build, sm90_sass
 
 
 def test_shipped_configs_are_valid_and_bad_ones_refused():
@@ -43,25 +43,16 @@ def test_prefer_rule():
 
 
 def _compile_sm90(dtype="bf16", per_channel=False, has_zero=False, mp=8, cfg=None, signal=False):
-    """The kernel built for sm90 by this Triton, with the launcher's divisibility specializations (Triton
-    internals: GluonASTSource, GPUTarget)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    """The kernel built for sm90 by this Triton, with the launcher's divisibility specializations."""
     cfg = cfg or gm.all_configs("sm90")[0]
-    fn = gm._wo_mma_decode_kernel
-    names = fn.arg_names
     consts = dict(HAS_ZERO=has_zero, HAS_BIAS=True, SPLIT=True, FUSED_REDUCE=True, PER_CHANNEL=per_channel,
                   EVEN_K=True, BLOCK_N=cfg.block_n, MP=mp, num_warps=cfg.num_warps, SIGNAL=signal,
-                  EARLY_REFILL=bool(cfg.early_refill))
-    ptrs = dict(x_ptr="*" + dtype, w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", bias_ptr="*" + dtype,
-                out_ptr="*" + dtype, part_ptr="*fp32", count_ptr="*i32")
-    sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in names}
-    div = {(names.index(a),): [["tt.divisibility", 16]] for a in names
-           if a.endswith("_ptr") or a in ("N", "K", "stride_xm", "stride_wn", "stride_om")}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=div)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
+                  EARLY_REFILL=int(cfg.early_refill))
+    types = dict(x_ptr="*" + dtype, w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", bias_ptr="*" + dtype,
+                 out_ptr="*" + dtype, part_ptr="*fp32", count_ptr="*i32")
+    return gluon_sm90_build(gm._wo_mma_decode_kernel, types, consts,
+                            lambda a, _: a.endswith("_ptr") or a in ("N", "K", "stride_xm", "stride_wn", "stride_om"),
+                            num_warps=cfg.num_warps)
 
 
 @pytest.mark.skipif(not gm.GLUON_AVAILABLE, reason="this Triton has no Gluon")

@@ -9,7 +9,7 @@ import torch
 
 import quantfuse as qf
 from quantfuse.kernels import gemv_tma as gt
-from tests._util import sm90_sass
+from tests._util import gluon_sm90_build, sm90_sass
 
 
 def _qw(n=256, k=512, bits=4, group=128):
@@ -43,13 +43,7 @@ def test_bad_configs_refused(cfg, match):
 
 
 def _compile_sm90(cfg: gt.GemvConfig, bits: int = 4, per_channel: bool = False):
-    """The kernel built for sm90 by this Triton, with the launcher's divisibility specializations (Triton
-    internals: GluonASTSource, mangle_type, GPUTarget)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
+    """The kernel built for sm90 by this Triton, with the launcher's divisibility specializations."""
     n, k = 4096, 4096
     qw = torch.zeros(n, k * bits // 32, dtype=torch.int32)
     x = torch.zeros(1, k, dtype=torch.bfloat16)
@@ -59,12 +53,8 @@ def _compile_sm90(cfg: gt.GemvConfig, bits: int = 4, per_channel: bool = False):
     consts = dict(BITS=bits, GROUP_FIELDS=32 // bits if per_channel else 8, HAS_ZERO=False, HAS_BIAS=True, SPLIT=True,
                   FUSED_REDUCE=True, PER_CHANNEL=per_channel, K_MULTIPLE_OF_16=True, STAGES=cfg.stages,
                   num_warps=cfg.num_warps)
-    fn = gt._wo_gemv_tma_kernel
-    names = fn.arg_names
-    sig = {a: "constexpr" if a in consts else (mangle_type(args[a]) if a in args else "i32") for a in names}
-    div = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr") or a in ("N", "K")}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=div)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
+    return gluon_sm90_build(gt._wo_gemv_tma_kernel, args, consts, lambda a, _: a.endswith("_ptr") or a in ("N", "K"),
+                            num_warps=cfg.num_warps)
 
 
 @pytest.mark.skipif(not gt.GLUON_AVAILABLE, reason="this Triton has no Gluon")

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from quantfuse.kernels import rowwise_wgmma as rw
+from quantfuse.kernels import _gluon
 from quantfuse.kernels import scaled_mm as kmm
-from tests._util import sm90_sass
+from tests._util import gluon_sm90_build, sm90_sass
 
 
 def _operands(m=256, k=1024, n=512, dtype=torch.int8):
@@ -65,27 +66,18 @@ def test_dispatch_keeps_the_old_rows_without_the_kernel(sm90):
 
 
 def _compile_sm90(dtype: str, azp_mode: int, stages: int = 4, block_n: int = 256):
-    """The kernel built for sm90 by this Triton (Triton internals: GluonASTSource, mangle_type, GPUTarget), with
-    the integer arguments specialized as the launcher sees them at aligned shapes."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
+    """The kernel built for sm90 by this Triton, with the integer arguments specialized as the launcher sees them
+    at aligned shapes."""
     a, b = _operands(512, 1024, 512, {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[dtype])
     out = torch.empty(512, 512, dtype=torch.bfloat16)
     sa, sb, adj = torch.ones(512), torch.ones(512), torch.zeros(512, dtype=torch.int32)
-    args = dict(a_desc=rw._descriptor(a, [128, rw.BLOCK_K]), b_desc=rw._descriptor(b.t(), [block_n, rw.BLOCK_K]),
+    args = dict(a_desc=_gluon.operand_descriptor(a, [128, rw.BLOCK_K]),
+                b_desc=_gluon.operand_descriptor(b.t(), [block_n, rw.BLOCK_K]),
                 out_ptr=out, scale_a_ptr=sa, scale_b_ptr=sb, bias_ptr=out, azp_adj_ptr=adj, azp_ptr=adj)
     consts = dict(SCALE_A_PER_ROW=True, SCALE_B_PER_COL=True, HAS_BIAS=True, AZP_MODE=azp_mode, GROUP_M=8,
                   STAGES=stages, CONSUMER_REGS=rw.WS_CONSUMER_REGS, num_warps=4)
-    fn = rw._rowwise_ws_kernel
-    names = fn.arg_names
-    sig = {x: "constexpr" if x in consts else (mangle_type(args[x]) if x in args else "i32") for x in names}
-    attrs = {(names.index(x),): [["tt.divisibility", 16]] for x in names if sig[x] == "i32" or sig[x].startswith("*")}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(x),): v for x, v in consts.items()},
-                         attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=rw.WS_MAXNREG))
+    return gluon_sm90_build(rw._rowwise_ws_kernel, args, consts, lambda _, typ: typ == "i32" or typ.startswith("*"),
+                            num_warps=4, maxnreg=rw.WS_MAXNREG)
 
 
 @pytest.mark.skipif(not rw.GLUON_AVAILABLE or rw._aggregate is None, reason="this Triton has no Gluon aggregates")

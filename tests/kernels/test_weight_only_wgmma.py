@@ -10,7 +10,7 @@ import torch
 
 import quantfuse as qf
 from quantfuse.kernels import weight_only_wgmma as ww
-from tests._util import sm90_sass
+from tests._util import gluon_sm90_build, sm90_sass
 
 
 def test_shipped_configs_are_valid_and_bad_ones_refused():
@@ -78,12 +78,7 @@ def test_split_k_fills_the_gpu_only_where_tiles_are_few():
 
 
 def _compile_sm90(block_m=128, num_warps=8, stages=4, dtype="bf16", scale16=False, has_zero=False, split=False):
-    """The kernel built for sm90 by this Triton (Triton internals: GluonASTSource, mangle_type, GPUTarget)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
+    """The kernel built for sm90 by this Triton, with the launcher's divisibility specializations."""
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
     x = torch.empty(256, 4096, dtype=tdt)
     w = torch.empty(4096, 512, dtype=torch.int32)
@@ -91,14 +86,9 @@ def _compile_sm90(block_m=128, num_warps=8, stages=4, dtype="bf16", scale16=Fals
     args = dict(x_desc=ww._x_descriptor(x, block_m), w_ptr=w, s_ptr=s, z_ptr=w, bias_ptr=x, out_ptr=x)
     consts = dict(HAS_ZERO=has_zero, HAS_BIAS=True, SPLIT=split, SCALE16=scale16, STAGES=stages, GROUP=8,
                   num_warps=num_warps)
-    fn = ww._wo_wgmma_kernel
-    names = fn.arg_names
-    sig = {n: "constexpr" if n in consts else (mangle_type(args[n]) if n in args else "i32") for n in names}
-    div = {(names.index(a),): [["tt.divisibility", 16]] for a in names
-           if a.endswith("_ptr") or a in ("N", "K", "stride_wn", "stride_om")}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
-                         attrs=div)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    return gluon_sm90_build(ww._wo_wgmma_kernel, args, consts,
+                            lambda a, _: a.endswith("_ptr") or a in ("N", "K", "stride_wn", "stride_om"),
+                            num_warps=num_warps)
 
 
 @pytest.mark.skipif(not ww.GLUON_AVAILABLE, reason="this Triton has no Gluon")

@@ -34,7 +34,17 @@ __all__ = ["GLUON_AVAILABLE", "sm90_exactly", "WS_CONSUMER_REGS", "WS_MAXNREG"]
 if GLUON_AVAILABLE:
     __all__ += ["gluon", "gl", "mbarrier", "mma_v2", "tma", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait",
                 "TensorDescriptor", "cta_barrier", "tma_load", "tile_coords", "signal_dependents", "ring_load",
-                "fill_tiles", "grid_dependency_sync"]
+                "fill_tiles", "grid_dependency_sync", "operand_descriptor"]
+
+    _GL_DTYPES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv, torch.float16: gl.float16,
+                  torch.bfloat16: gl.bfloat16}
+
+    def operand_descriptor(t: torch.Tensor, block):
+        """A tensor descriptor over `t` in `block` boxes with the default NVMMA shared layout of its dtype (what a
+        wgmma operand or a copy-engine output tile reads or writes)."""
+        block = list(block)
+        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
     @gluon.jit
     def tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):

@@ -51,7 +51,7 @@ _aggregate = None
 if GLUON_AVAILABLE:
     from ._gluon import TensorDescriptor as GluonTensorDescriptor
     from ._gluon import cta_barrier as _cta_barrier
-    from ._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+    from ._gluon import gl, gluon, mbarrier, operand_descriptor, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
     from ._gluon import tile_coords as _tile_coords
     from ._gluon import ring_load as _ring_load
     from ._gluon import tma_load as _tma_load
@@ -459,11 +459,6 @@ if GLUON_AVAILABLE and _aggregate is not None:
                            [CONSUMER_REGS, CONSUMER_REGS])
 
 
-def _descriptor(t: torch.Tensor, block: List[int]):
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-    return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
 def _box_rows(t: torch.Tensor) -> bool:
     """A 2-D float32 view the copy engine can read in [1, n] boxes: unit inner stride, 16-byte aligned base
     and row stride."""
@@ -500,8 +495,8 @@ def scaled_mm_blockwise_wgmma(
         raise ValueError(f"config: the warp-specialized kernel takes block_m 128 and num_warps 8 (two consumer "
                          f"warpgroups) on a Triton with aggregates, got {cfg}")
     out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
-    a_desc = _descriptor(a2d, [cfg.block_m, SCALE_BLOCK])
-    b_desc = _descriptor(b.t(), [cfg.block_n, SCALE_BLOCK])
+    a_desc = operand_descriptor(a2d, [cfg.block_m, SCALE_BLOCK])
+    b_desc = operand_descriptor(b.t(), [cfg.block_n, SCALE_BLOCK])
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     if cfg.specialized:
         sa_view = _scale_a_view(scale_a)

@@ -38,8 +38,7 @@ from ._common import INTERPRET, describable, launch_kernel
 from ._gluon import GLUON_AVAILABLE, WS_CONSUMER_REGS, WS_MAXNREG, sm90_exactly
 
 if GLUON_AVAILABLE:
-    from ._gluon import TensorDescriptor as GluonTensorDescriptor
-    from ._gluon import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from ._gluon import gl, gluon, mbarrier, operand_descriptor, tma, warpgroup_mma, warpgroup_mma_wait
     from ._gluon import tile_coords as _tile_coords
     from ._gluon import fill_tiles as _fill_tiles
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
@@ -266,11 +265,6 @@ if GLUON_AVAILABLE:
         gl.warp_specialize([(_loader, args0), (_consumer, args0), (_consumer, args1)], [4, 4],
                            [CONSUMER_REGS, CONSUMER_REGS])
 
-    _GL_DTYPES = {torch.int8: gl.int8, torch.float16: gl.float16}
-
-    def _descriptor(t: torch.Tensor, block):
-        layout = gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[t.dtype])
-        return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
 
 
 def launch(a, w, out, res, vt, bias, w_scale, out_scale, res_scale_vec, *, m, n, k, stride_rm, stride_om, stride_vt,
@@ -280,9 +274,9 @@ def launch(a, w, out, res, vt, bias, w_scale, out_scale, res_scale_vec, *, m, n,
     tiles = -(-m // block_m) * -(-n // block_n)
     grid = (min(tiles, programs_per_sm * sms),)
     tma_out = tma_out and code != 2 and describable(out)
-    a_desc = _descriptor(a, (block_m, block_k))
-    w_desc = _descriptor(w, (block_n, block_k))
-    out_desc = _descriptor(out, (block_m, block_n)) if tma_out else out
+    a_desc = operand_descriptor(a, (block_m, block_k))
+    w_desc = operand_descriptor(w, (block_n, block_k))
+    out_desc = operand_descriptor(out, (block_m, block_n)) if tma_out else out
     launch_kernel(_ws_int8_gemm_kernel, grid,
         a_desc, w_desc, out_desc, bias, w_scale, out_scale, res, out, vt,
         m, n, k, stride_rm, stride_om, stride_vt, vt_rows, float(a_scale), float(res_scale), res_scale_vec, hidden,

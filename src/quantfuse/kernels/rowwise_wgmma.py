@@ -36,8 +36,7 @@ from .scaled_mm import WsConfig, tma_applies
 
 _aggregate = None
 if GLUON_AVAILABLE:
-    from ._gluon import TensorDescriptor as GluonTensorDescriptor
-    from ._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from ._gluon import gl, gluon, mbarrier, operand_descriptor, warpgroup_mma, warpgroup_mma_wait
     from ._gluon import fill_tiles as _fill_tiles
     from ._gluon import tile_coords as _tile_coords
     try:
@@ -186,12 +185,6 @@ BLOCK_K = 128  # one K step: 16 KiB of A and 32 KiB of B^T per slot at block_n 2
 SMEM_BYTES = 227 * 1024 - 1024  # sm90's per-block shared memory, less the barriers
 
 
-def _descriptor(t: torch.Tensor, block):
-    dtype = gl.int8 if t.dtype == torch.int8 else gl.float8e4nv
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
 def scaled_mm_ws(a2d: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                  out_dtype: torch.dtype, bias: Optional[torch.Tensor], azp_adj: Optional[torch.Tensor],
                  azp: Optional[torch.Tensor], config: Optional[WsConfig] = None) -> torch.Tensor:
@@ -207,8 +200,8 @@ def scaled_mm_ws(a2d: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scal
     out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
     if out.numel() == 0:  # a tensor map cannot describe an empty operand
         return out
-    a_desc = _descriptor(a2d, [cfg.block_m, BLOCK_K])
-    b_desc = _descriptor(b.t(), [cfg.block_n, BLOCK_K])
+    a_desc = operand_descriptor(a2d, [cfg.block_m, BLOCK_K])
+    b_desc = operand_descriptor(b.t(), [cfg.block_n, BLOCK_K])
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     azp_mode = 0 if azp_adj is None else (1 if azp is None else 2)
     launch_kernel(_rowwise_ws_kernel, (max(1, min(tiles, sm_count(a2d.device))),),

@@ -676,7 +676,8 @@ def scaled_mm(
     tma_ok = tma_applies(a2d, b)
 
     def ws_ok() -> bool:
-        # asked when a plan is made or a WsConfig given, not on the cached-plan path
+        # asked when a plan is made or a WsConfig given, not on the cached-plan path (the plan key holds what
+        # decides it: dtype, device, describability)
         from .rowwise_wgmma import applies
 
         return tma_ok and applies(a2d, b)
@@ -695,7 +696,7 @@ def scaled_mm(
 
     def launch(cfg: MMConfig, plan: Optional[tuple] = None) -> torch.Tensor:
         if isinstance(cfg, WsConfig):
-            if not ws_ok():
+            if plan is None and not ws_ok():
                 raise ValueError("config: a WsConfig needs sm90, Gluon and describable int8 / fp8 e4m3 operands "
                                  "(a [M, K] and b^T [N, K] K-contiguous with 16-byte aligned rows)")
             from .rowwise_wgmma import scaled_mm_ws  # imported here: it imports this module

@@ -59,9 +59,8 @@ from .gemv_mma import whole_chunk_groups
 from .configs import arch_key, sm_count
 
 if GLUON_AVAILABLE:
-    from ._gluon import TensorDescriptor as GluonTensorDescriptor
     from ._gluon import cta_barrier as _cta_barrier
-    from ._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from ._gluon import gl, gluon, mbarrier, operand_descriptor, warpgroup_mma, warpgroup_mma_wait
     from ._gluon import tile_coords as _tile_coords
     from ._gluon import tma_load as _tma_load
     from .gemv_mma import convert_word_pairs as _convert_word_pairs
@@ -356,9 +355,7 @@ if GLUON_AVAILABLE:
 
 
 def _x_descriptor(x2d: torch.Tensor, block_m: int):
-    dt = gl.float16 if x2d.dtype == torch.float16 else gl.bfloat16
-    layout = gl.NVMMASharedLayout.get_default_for([block_m, HALF], dt)
-    return GluonTensorDescriptor(x2d, list(x2d.shape), list(x2d.stride()), [block_m, HALF], layout)
+    return operand_descriptor(x2d, [block_m, HALF])
 
 
 def splits_for(m: int, n: int, k: int, cfg: WgmmaW4Config, num_sms: int) -> int:
