@@ -436,6 +436,22 @@ def test_attention_one_pass_refuses_long_rows():
         ke.int8_attention(qk, vt, cu, 600, None, 0.02, 0.02, 0.05, 1.0 / 127, 0.1, config=cfg)
 
 
+@pytest.mark.parametrize("path", sorted(u.ATTENTION_PATHS))
+def test_attention_fma_division_is_the_true_division(path, monkeypatch):
+    """The output requantization through div_rn_by (reciprocal once, a Markstein correction per output) gives the
+    codes of the per-output true division bit for bit, length-1 sequences' exact ties included."""
+    cases = [([1, 31, 1, 7], 16), ([32, 1, 5], 32), ([127, 1], 16)]
+    for lengths, head_dim in cases:
+        torch.manual_seed(sum(lengths))
+        fma, _, _, _ = u.attention_case(lengths, 2, head_dim, DEV, config=u.ATTENTION_PATHS[path])
+        with monkeypatch.context() as m:
+            m.setattr(ke, "div_rn_by_applies", lambda d: False)
+            torch.manual_seed(sum(lengths))
+            true_div, ref, _, _ = u.attention_case(lengths, 2, head_dim, DEV, config=u.ATTENTION_PATHS[path])
+        assert torch.equal(fma, true_div), (lengths, int((fma != true_div).sum()))
+        u.assert_int8_close(fma, ref)
+
+
 def test_attention_mask_changes_result():
     # masking keys must change the outputs of the other rows (the mask is really applied)
     torch.manual_seed(5)

@@ -74,6 +74,22 @@ def test_attention_full_size(lengths, head_dim, path):
 
 
 @pytest.mark.parametrize("path", ["table", "two_pass", "one_pass_m64_w4"])
+@pytest.mark.parametrize("lengths", [[1, 1, 7, 128], [384, 1, 200]])
+def test_attention_fma_division_is_the_true_division(path, lengths, monkeypatch):
+    """div_rn_by's output requantization equals the per-output div.rn bit for bit on the GPU (one-pass paths only
+    for sequences that fit them)."""
+    if PATHS[path] is not None and PATHS[path].get("one_pass") and max(lengths) > 128:
+        pytest.skip("a one-pass tile of 128 keys")
+    torch.manual_seed(len(lengths))
+    fma, ref, _, _ = u.attention_case(lengths, 12, 64, DEV, config=PATHS[path])
+    monkeypatch.setattr(ke, "div_rn_by_applies", lambda d: False)
+    torch.manual_seed(len(lengths))
+    true_div, _, _, _ = u.attention_case(lengths, 12, 64, DEV, config=PATHS[path])
+    assert torch.equal(fma, true_div), int((fma != true_div).sum())
+    u.assert_int8_close(fma, ref)
+
+
+@pytest.mark.parametrize("path", ["table", "two_pass", "one_pass_m64_w4"])
 def test_attention_wide_heads_full_size(path):
     # head_dim 512 (scores past the magic-number conversion's bound) with a fully masked sequence
     lengths = [100, 0, 37] if PATHS[path] is not None and PATHS[path].get("one_pass") else [384, 0, 100]

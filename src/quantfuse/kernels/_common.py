@@ -314,6 +314,29 @@ def rcp_approx(x, INTERPRET: tl.constexpr):
                                          is_pure=True, pack=1)
 
 
+# Divisors whose reciprocal and Markstein correction stay in float32's normal range (`div_rn_by`).
+DIV_BY_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126
+DIV_BY_MAX = tl.constexpr(8.507059173023462e37)  # 2^126
+
+
+def div_rn_by_applies(d: float) -> bool:
+    """Whether a host-side float32 divisor is in `div_rn_by`'s range (NaN is not)."""
+    return DIV_BY_MIN.value <= d <= DIV_BY_MAX.value
+
+
+@triton.jit
+def div_rn_by(y, d, r):
+    """y / d correctly rounded (IEEE div.rn) from r = 1 / d correctly rounded (tl.math.div_rn once per divisor,
+    not per element), for d in [DIV_BY_MIN, DIV_BY_MAX]: q0 = y r, then one Markstein correction
+    q = fma(fma(-q0, d, y), r, q0) (the remainder y - q0 d is exact in an FMA), three FMA-pipe instructions in
+    place of div.rn's reciprocal, five FFMAs, range check and branch per element. Checked against exact division
+    on 2e7 random and near-tie cases (silu_quant's module doc). An infinite or NaN quotient q0 (y infinite or NaN,
+    or an overflow) is returned as is, which is then y / d (the correction would make inf - inf)."""
+    q0 = y * r
+    q = tl.fma(tl.fma(-q0, d, y), r, q0)
+    return tl.where(tl.abs(q0) < float("inf"), q, q0)
+
+
 @triton.jit
 def to_int8_sat_azp(v, azp):
     """sat_int8(rne(v) + azp), exact for any int32 azp.

@@ -38,9 +38,11 @@ Quantization divisions: the probabilities inside the attention loop and, by defa
 by the float32 reciprocal of the scale instead of dividing (a difference from the reference's true division
 only at rounding ties, one code at most); a per-element true division (`div_rn`) measured twice the
 LayerNorm's time on the H100, so even that memory-bound kernel was bound by it. The attention's output keeps
-the true division: one division per output against 2 x BLOCK_N exponentials per row, and a length-1
-sequence (p = 1, ctx / s_ctx = v * s_v / s_ctx) can make many outputs exact ties: with the reciprocal, up to
-5.5% of the codes in the H100 attention tests came out one off, past their 0.1% allowance.
+the true division (a length-1 sequence, p = 1, ctx / s_ctx = v * s_v / s_ctx, can make many outputs exact ties:
+with the reciprocal, up to 5.5% of the codes in the H100 attention tests came out one off, past their 0.1%
+allowance), computed as `_common.div_rn_by`: the correctly rounded reciprocal once per program and a Markstein
+correction per output (three FMA-pipe instructions, bit for bit div.rn), instead of div.rn's reciprocal, range
+check and branch per output.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, cdiv, describable, descriptor, exp2_approx, grid_dependency_sync, launch_kernel,
-                      next_pow2, pdl_launch_options, pdl_supported, persistent_grid, rcp_approx,
+from ._common import (INTERPRET, cdiv, describable, descriptor, div_rn_by, div_rn_by_applies, exp2_approx,
+                      grid_dependency_sync, launch_kernel, next_pow2, pdl_launch_options, pdl_supported, persistent_grid, rcp_approx,
                       tile_coords, tma_variant, to_int8_sat, to_int8_sat_nonneg)
 from . import encoder_wgmma
 from .configs import arch_key, sm_count
@@ -633,7 +635,7 @@ def _int8_attention_kernel(
     score_scale_log2, inv_p_scale, ctx_scale, out_scale,
     HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr, ONE_PASS: tl.constexpr, ALIGNED: tl.constexpr,
     ALIGN_DOWN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, FMA_DIV: tl.constexpr = True,
 ):
     """ONE_PASS (BLOCK_N >= the longest sequence): the block's whole score rows at once, so the row max and
     the normaliser are exact reductions and each score is computed and exponentiated once; otherwise two
@@ -719,7 +721,10 @@ def _int8_attention_kernel(
                 acc = tl.dot(p_q, tl.trans(vt), acc, out_dtype=tl.int32)
 
         ctx = acc.to(tl.float32) * ctx_scale
-        o = to_int8_sat(tl.math.div_rn(ctx, out_scale + tl.zeros_like(ctx)))
+        if FMA_DIV:
+            o = to_int8_sat(div_rn_by(ctx, out_scale, tl.math.div_rn(1.0, out_scale)))
+        else:
+            o = to_int8_sat(tl.math.div_rn(ctx, out_scale + tl.zeros_like(ctx)))
         tl.store(out_ptr + (start + rows)[:, None].to(tl.int64) * stride_om + head * HEAD_DIM + d[None, :], o,
                  mask=row_ok[:, None])
 
@@ -795,7 +800,7 @@ def int8_attention(
         score_scale_log2, 1.0 / p_scale, p_scale * v_scale, out_scale,
         HEAD_DIM=head_dim, HAS_MASK=key_mask is not None, ONE_PASS=one_pass,
         ALIGNED=aligned, ALIGN_DOWN=align_down,
-        BLOCK_M=bm, BLOCK_N=bn, PDL=pdl, INTERPRET=INTERPRET,
+        BLOCK_M=bm, BLOCK_N=bn, PDL=pdl, INTERPRET=INTERPRET, FMA_DIV=div_rn_by_applies(out_scale),
         num_warps=cfg["num_warps"], num_stages=stages, **pdl_launch_options(pdl),
     )
     return out

@@ -22,9 +22,9 @@ Exactness. On the GPU exp is libdevice's expf (the same function as torch's CUDA
 which is ex2.approx), so kernel and reference agree bit for bit; the interpreter uses numpy's exp.
 The division by a region's scale shares the divisor across the region: one correctly rounded reciprocal
 r = 1/s per region, then q0 = y*r and one Markstein correction q = fma(y - q0*s, r, q0) (3 FMAs instead
-of a full div.rn per element). This is the correctly rounded y/s for normal scales (checked against
-exact division on 2e7 random and near-tie cases); programs with a scale outside [2^-126, 2^126] take
-the plain true division instead.
+of a full div.rn per element; `_common.div_rn_by`, also used by the encoder's attention). This is the
+correctly rounded y/s for normal scales (checked against exact division on 2e7 random and near-tie cases);
+programs with a scale outside [2^-126, 2^126] take the plain true division instead.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cdiv, launch_kernel, next_pow2, quantize_value
+from ._common import DIV_BY_MAX, DIV_BY_MIN, INTERPRET, cdiv, div_rn_by, launch_kernel, next_pow2, quantize_value
 from .configs import arch_key
 from .quantize import _QMAX, _region_scale
 
@@ -115,14 +115,8 @@ def _divide_rows(y, scale, FMA_DIV: tl.constexpr):
     if FMA_DIV:
         lo = tl.min(scale, axis=0)
         hi = tl.max(scale, axis=0)
-        if (lo >= 1.1754943508222875e-38) & (hi <= 8.507059173023462e37):
-            recip = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-            s = scale[:, None]
-            r = recip[:, None]
-            q0 = y * r
-            q = tl.fma(tl.fma(-q0, s, y), r, q0)
-            # an overflowing quotient stays infinite (it saturates) instead of becoming inf - inf
-            v = tl.where(tl.abs(q0) < float("inf"), q, q0)
+        if (lo >= DIV_BY_MIN) & (hi <= DIV_BY_MAX):
+            v = div_rn_by(y, scale[:, None], tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None])
         else:
             v = tl.math.div_rn(y, scale[:, None])
     else:
