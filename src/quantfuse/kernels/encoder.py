@@ -54,8 +54,8 @@ import triton
 import triton.language as tl
 
 from ._common import (INTERPRET, cdiv, describable, descriptor, div_rn_by, div_rn_by_applies, exp2_approx,
-                      grid_dependency_sync, launch_kernel, next_pow2, pdl_launch_options, pdl_supported, persistent_grid, rcp_approx,
-                      tile_coords, tma_variant, to_int8_sat, to_int8_sat_nonneg)
+                      grid_dependency_sync, launch_kernel, next_pow2, pdl_launch_options, pdl_supported,
+                      persistent_grid, rcp_approx, tile_coords, tma_variant, to_int8_sat, to_int8_sat_nonneg)
 from . import encoder_wgmma
 from .configs import arch_key, sm_count
 
