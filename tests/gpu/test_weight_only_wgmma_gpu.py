@@ -90,7 +90,8 @@ def test_identity_rows_give_w_hat_bit_for_bit(scheme, dtype):
     for i, cfg in enumerate(CFGS):
         # whole-K tiles, split-K, and the tail split (the last column tiles split over K in a second launch)
         for rows, splits, tail in ((range(0, 256), None, None), (range(256, k), 3, None),
-                                   (range(0, 200), None, ww.TailSplit(1, 3)), (range(100, k), None, ww.TailSplit(2, 2))):
+                                   (range(0, 200), None, ww.TailSplit(1, 3)),
+                                   (range(100, k), None, ww.TailSplit(2, 2))):
             rows = torch.tensor(list(rows), device=DEV)
             x = torch.zeros(len(rows), k, device=DEV, dtype=dtype)
             x[torch.arange(len(rows), device=DEV), rows] = 1
@@ -117,14 +118,15 @@ def test_random_x_within_bound(k, n, ms, dtype):
                 _check_bound(y, x, qw, bias, f"{cfg.block_m} splits={splits} g{scheme[0]} K{k}N{n}M{m} {dtype}")
 
 
-@pytest.mark.parametrize("k,n,m,tail", [(4096, 6144, 1024, ww.TailSplit(33, 2)), (8192, 10240, 512, ww.TailSplit(66, 4)),
+@pytest.mark.parametrize("k,n,m,tail", [(4096, 6144, 1024, ww.TailSplit(33, 2)),
+                                        (8192, 10240, 512, ww.TailSplit(66, 4)),
                                         (7392, 257, 513, ww.TailSplit(1, 3)), (392, 300, 77, ww.TailSplit(2, 4))])
 def test_tail_split_is_the_two_launches_it_stands_for(k, n, m, tail):
     """Main columns bit for bit the one-launch product, the tail columns bit for bit a split-K launch with the same
     K partition (same partials, same reduce), bias on both; within the bound against the reference."""
     for si, scheme in enumerate(SCHEMES[:3]):
-        qw = _quantized(n, k, scheme, BF16 if si % 2 == 0 else FP16)
         dtype = BF16 if si % 2 == 0 else FP16
+        qw = _quantized(n, k, scheme, dtype)
         bias = torch.randn(n, device=DEV).to(dtype)
         x = torch.randn(m, k, device=DEV).to(dtype)
         for cfg in CFGS:
