@@ -103,7 +103,7 @@ if os.environ.get("TUNE_ATTN_CONFIGS"):
 
 def candidates():
     recips = [r == "1" for r in os.environ.get("TUNE_RECIP", "0,1").split(",")]
-    fasts = [f == "1" for f in os.environ.get("TUNE_FAST_GELU", "1").split(",")]
+    fasts = [int(f) for f in os.environ.get("TUNE_FAST_GELU", "1").split(",")]
     gemm = [(name, m, n, k, tile, recip, fast) for name, n, k in GEMMS for m in GEMM_M for tile in GEMM_TILES
             for recip in (recips if name in ("qkv", "fc1", "fc1_nogelu") else (False,))
             for fast in (fasts if name == "fc1" else (None,))]

@@ -231,7 +231,7 @@ def test_gelu_epilogue_accuracy(fast):
 
 @pytest.mark.parametrize("m", [1, 31, 32, 127])
 @pytest.mark.parametrize("gelu", [True, False])
-@pytest.mark.parametrize("fast_gelu", [True, False])
+@pytest.mark.parametrize("fast_gelu", [True, False, 2])
 def test_gemm_requant(m, gelu, fast_gelu):
     n, k = 128, 96
     a, w = u.int8(m, k), u.int8(n, k)
@@ -241,8 +241,9 @@ def test_gemm_requant(m, gelu, fast_gelu):
     out_scale = torch.tensor([0.05], dtype=torch.float32)
     ref = enc.reference_int8_gemm(a, w, a_scale, w_scale, bias, "requant", out_scale=out_scale, gelu=gelu)
     with ops.backend("triton"):
+        # 2: GELU and the reciprocal requantization folded into one form (_gelu_requant_fast)
         out = ke.int8_gemm(a, w, a_scale, w_scale, bias, "requant", out_scale=out_scale, gelu=gelu,
-                           fast_gelu=fast_gelu)
+                           fast_gelu=fast_gelu, reciprocal=True if fast_gelu == 2 else None)
     assert out.dtype == torch.int8 and out.shape == (m, n)
     u.assert_int8_close(out, ref)
     if m > 1:

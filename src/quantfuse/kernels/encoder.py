@@ -11,7 +11,8 @@ Symbols: activations are quantized per tensor, `x ~ s_x * x_q`; weights per outp
   - `"requant"`: `q = sat(rne(act(v) / s_out))` with act = identity or erf-GELU (erf by Abramowitz & Stegun
     7.1.26 where the table says `fast_gelu`: |GELU error| <= 7e-7 on [-12, 12] with an exact reciprocal and
     exponential (interpreter), as small as float32's own rounding there, and within the GPU test's 1e-6 with
-    the approximate MUFU ones), stored int8;
+    the approximate MUFU ones; `fast_gelu` 2 with the reciprocal requantization: the same erfc in
+    `relu(p) - |p| erfc(|z|) / 2`, p = v / s_out, the scale factors folded into its constants), stored int8;
   - `"qkv"`: the fused Q|K|V projection: `q = sat(rne(v / s_out[n]))` (s_out = s_q, s_k or s_v by
     column), stored head-split: Q and K as `[2, heads, T, head_dim]`, V transposed as
     `[heads, head_dim, T_v]` so that P.V reads V K-major (the only int8 operand order wgmma takes).
@@ -138,8 +139,12 @@ ENCODER_CONFIGS = {
         # 128x128x128 (benchmarks/tune_encoder.py times both).
         "reciprocal_requant": True,
         # FC1's GELU through the branch-free A&S 7.1.26 erfc (see _gelu) instead of libdevice's erff: the whole
-        # encoder 6-7% faster from 4096 tokens up (bench_encoder.py's mode1_graph_libdevice_gelu_us column)
-        "fast_gelu": True,
+        # encoder 6-7% faster from 4096 tokens up (bench_encoder.py's mode1_graph_libdevice_gelu_us column).
+        # 2: that GELU and the reciprocal requantization in one form (_gelu_requant_fast; offline sm90 SASS of
+        # the 128x128 FC1 tile 3928 -> 3568 instructions); same-run A/B on the H100, alternated, CUDA graphs
+        # (tune_encoder_gelu_requant.json): FC1 29.9 / 29.9 us vs 31.9 / 32.2 at 4096 tokens, 107.5 / 107.2 vs
+        # 117.8 / 115.4 at 16384; codes off the reference at 4103 x 3072: 23 vs 21 of 12.6M, one code each
+        "fast_gelu": 2,
         # programmatic dependent launch (each kernel launches while the previous one drains and waits for it
         # before its first memory access, `grid_dependency_sync`) up to this many tokens. bench_encoder's
         # same-run ablation (mode 2, CUDA graphs, PDL on every kernel vs none): 1x128 418 us vs 481, but 8x128
@@ -231,6 +236,26 @@ def _gelu(v, FAST: tl.constexpr, INTERPRET: tl.constexpr):
         return 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
 
 
+# y = v * sqrt(log2(e) / 2): z = v / sqrt(2) and exp(-z^2) = exp2(-y^2)
+_GELU_Y = tl.constexpr(0.8493218002880191)
+# A&S 7.1.26's p for |y| instead of |z| (p / sqrt(log2 e)), and its coefficients halved (0.5 erfc)
+_GELU_P = tl.constexpr(0.2727374808792225)
+
+
+@triton.jit
+def _gelu_requant_fast(y, p, INTERPRET: tl.constexpr):
+    """GELU(v) / s_out from y = v * _GELU_Y and p = v / s_out, as relu(p) - |p| * erfc(|z|) / 2 (equal to
+    p * (1 + erf(z)) / 2 for either sign of v; no cancellation: the product is 0 .. 0.17 |p|), erfc by
+    Abramowitz & Stegun 7.1.26 as in _gelu(FAST) with the scale factors folded into its constants. Against
+    _gelu then the reciprocal requantization (offline sm90 SASS of the 128x128 FC1 tile): no separate z,
+    0.5 v, requantizing multiply or select per element (different float rounding: results differ only at
+    rounding ties)."""
+    t = rcp_approx(1.0 + _GELU_P * tl.abs(y), INTERPRET)
+    half_erfc = t * (0.127414796 + t * (-0.142248368 + t * (0.7107068705 + t * (-0.7265760135 + t * 0.5307027145))))
+    half_erfc = half_erfc * exp2_approx(-(y * y), INTERPRET)
+    return tl.fma(-tl.abs(p), half_erfc, tl.maximum(p, 0.0))
+
+
 @triton.jit
 def _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn,
               TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -307,13 +332,19 @@ def _tile_epilogue(
         else:
             tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], v.to(tl.float16), mask=mask)
     elif EPILOGUE == 1:
-        if GELU:
-            v = _gelu(v, FAST_GELU, INTERPRET)
         if COLUMN_OUT_SCALE:
             out_scale = tl.load(out_scale_ptr + rn, mask=n_ok, other=1.0)[None, :]
         else:
             out_scale = tl.load(out_scale_ptr)
-        q = to_int8_sat(_requant(v, out_scale, RECIPROCAL))
+        if GELU and FAST_GELU == 2 and RECIPROCAL:
+            # the dequantization scales fold into y = v * _GELU_Y (so exp(-z^2) = exp2(-y^2)) and the
+            # requantization into p = v / s_out = y * (1 / (s_out * _GELU_Y)): _gelu_requant_fast's form
+            y = acc.to(tl.float32) * (a_scale * w_scale * _GELU_Y)[None, :] + (bias * _GELU_Y)[None, :]
+            q = to_int8_sat(_gelu_requant_fast(y, y * (1.0 / (out_scale * _GELU_Y)), INTERPRET))
+        else:
+            if GELU:
+                v = _gelu(v, FAST_GELU, INTERPRET)
+            q = to_int8_sat(_requant(v, out_scale, RECIPROCAL))
         if TMA_EPI:
             out_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], q)
         else:
@@ -454,7 +485,7 @@ def int8_gemm(
     vt_stride: int | None = None,
     config: tuple | None = None,
     reciprocal: bool | None = None,
-    fast_gelu: bool | None = None,
+    fast_gelu: bool | int | None = None,
 ):
     """Launch `acc = a @ w.T` (int8 [M, K] x int8 [N, K]) with the named epilogue (module docstring).
 
@@ -566,7 +597,7 @@ def int8_gemm(
         COLUMN_OUT_SCALE=column_out_scale, COLUMN_RES_SCALE=column_res, RECIPROCAL=bool(reciprocal),
         ALIGNED_QKV=aligned_qkv,
         EVEN_K=(k % bk == 0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FAST_GELU=bool(fast_gelu) and gelu, TMA=use_tma,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FAST_GELU=int(fast_gelu) if gelu else 0, TMA=use_tma,
         PERSISTENT=bool(persistent), TMA_EPI=tma_epi, PDL=gdc, INTERPRET=INTERPRET, num_warps=warps, num_stages=stages,
         **pdl_launch_options(pdl),
     )
