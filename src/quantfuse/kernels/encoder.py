@@ -238,7 +238,7 @@ def _gelu(v, FAST: tl.constexpr, INTERPRET: tl.constexpr):
 
 # y = v * sqrt(log2(e) / 2): z = v / sqrt(2) and exp(-z^2) = exp2(-y^2)
 _GELU_Y = tl.constexpr(0.8493218002880191)
-# A&S 7.1.26's p for |y| instead of |z| (p / sqrt(log2 e)), and its coefficients halved (0.5 erfc)
+# A&S 7.1.26's p = 0.3275911 for |y| instead of |z| (p / sqrt(log2 e))
 _GELU_P = tl.constexpr(0.2727374808792225)
 
 
@@ -246,10 +246,10 @@ _GELU_P = tl.constexpr(0.2727374808792225)
 def _gelu_requant_fast(y, p, INTERPRET: tl.constexpr):
     """GELU(v) / s_out from y = v * _GELU_Y and p = v / s_out, as relu(p) - |p| * erfc(|z|) / 2 (equal to
     p * (1 + erf(z)) / 2 for either sign of v; no cancellation: the product is 0 .. 0.17 |p|), erfc by
-    Abramowitz & Stegun 7.1.26 as in _gelu(FAST) with the scale factors folded into its constants. Against
-    _gelu then the reciprocal requantization (offline sm90 SASS of the 128x128 FC1 tile): no separate z,
-    0.5 v, requantizing multiply or select per element (different float rounding: results differ only at
-    rounding ties)."""
+    Abramowitz & Stegun 7.1.26 as in _gelu(FAST) with the scale factors folded into its constants (its five
+    coefficients halved). Against _gelu then the reciprocal requantization (offline sm90 SASS of the 128x128
+    FC1 tile): no separate z, 0.5 v, requantizing multiply or select per element; the float roundings differ,
+    so a code can differ where a value lies within rounding of a code boundary (one code)."""
     t = rcp_approx(1.0 + _GELU_P * tl.abs(y), INTERPRET)
     half_erfc = t * (0.127414796 + t * (-0.142248368 + t * (0.7107068705 + t * (-0.7265760135 + t * 0.5307027145))))
     half_erfc = half_erfc * exp2_approx(-(y * y), INTERPRET)
