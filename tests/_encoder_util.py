@@ -92,12 +92,14 @@ def assert_gemm_close(kind, out, ref, m, tol=1e-3):
 
 
 def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=False, config=None, aligned=False,
-                   vt_pad16=False):
+                   vt_pad16=False, p_scale=1.0 / 127, key_words=False):
     """Packed (or padded to max length with a key mask) attention through kernel and reference; config: a
     forced kernel config (e.g. one of ATTENTION_PATHS). aligned: the kernel told that sequences start on
     multiples of 16 (padded to a multiple of 16 only), V^T rows a multiple of 16 long. vt_pad16: V^T rows
     padded to a multiple of 16 columns as the QKV GEMM writes them, random codes past the tokens (the
-    kernel walks each sequence's keys from its start rounded down to 16 and must give the extra keys p = 0)."""
+    kernel walks each sequence's keys from its start rounded down to 16 and must give the extra keys p = 0).
+    p_scale: the probabilities' scale (the encoder's 1 / 127; a smaller one makes the kernel clamp the codes).
+    key_words: the kernel gets the mask as `attention_key_words` made it (the encoder's form)."""
     assert not aligned or (padded and max(lengths) % 16 == 0)
     if padded:
         s = max(lengths)
@@ -124,11 +126,13 @@ def attention_case(lengths, heads, head_dim, device, masked_keys=None, padded=Fa
                          device=device)
         vt[:, :, :t] = int8(heads, head_dim, t, device=device)
     # score std ~ 127*74*sqrt(d) * s_q s_k / sqrt(d): pick s_q s_k so scores spread over a few units
-    args = (qk, vt, cu, max_len, key_mask, 0.02, 3.0 / (74 * 74 * 0.02), 0.05, 1.0 / 127, 0.1)
+    args = (qk, vt, cu, max_len, key_mask, 0.02, 3.0 / (74 * 74 * 0.02), 0.05, p_scale, 0.1)
     ref = enc.reference_int8_attention(*args)
     with ops.backend("triton"):
         from quantfuse.kernels import encoder as ke
 
+        if key_words and key_mask is not None:
+            args = args[:4] + (ke.attention_key_words(key_mask),) + args[5:]
         out = ke.int8_attention(*args, config=config, aligned_starts=aligned)
     return out, ref, cu, key_mask
 

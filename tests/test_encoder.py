@@ -460,6 +460,41 @@ def test_attention_fma_division_is_the_true_division(path, monkeypatch):
         u.assert_int8_close(fma, ref)
 
 
+@pytest.mark.parametrize("path", sorted(u.ATTENTION_PATHS))
+def test_attention_key_words_equal_the_byte_mask(path):
+    """The encoder hands the attention its mask once as int32 key words (the score conversion's magic number
+    or the bits of -2^100 per key): same codes as the int8 mask, which the launcher converts the same way."""
+    lengths, masked = [32, 31, 0, 1], [0, 7, 40]
+    torch.manual_seed(11)
+    words, ref, _, key_mask = u.attention_case(lengths, 2, 16, DEV, masked_keys=masked, padded=True,
+                                               config=u.ATTENTION_PATHS[path], key_words=True)
+    torch.manual_seed(11)
+    byte, _, _, _ = u.attention_case(lengths, 2, 16, DEV, masked_keys=masked, padded=True,
+                                     config=u.ATTENTION_PATHS[path])
+    assert torch.equal(words, byte)
+    u.assert_int8_close(words, ref)
+    kw = ke.attention_key_words(key_mask)
+    assert kw.dtype == torch.int32
+    assert torch.equal(kw, torch.where(key_mask != 0, 0x4B400000, -243269632).int())
+    assert ke.attention_key_words(kw) is kw
+    assert torch.equal(ke.attention_key_words(key_mask != 0), kw)  # a bool mask too
+
+
+@pytest.mark.parametrize("path", sorted(u.ATTENTION_PATHS))
+@pytest.mark.parametrize("p_scale,clamp", [(1.0 / 127, False), (1.0 / 300, True), (1.0 / 128, True)])
+def test_attention_probability_codes_clamp_only_past_127(path, p_scale, clamp, monkeypatch):
+    """The probability codes skip their clamp at 127 only where p / s_p cannot reach 127.5 (1 / s_p at most
+    127 (1 + 2^-10): the encoder's 1 / 127); a smaller scale saturates codes and keeps the clamp (without it a
+    code of 300 would wrap to 44 and fail the comparison)."""
+    spy = KernelSpy(ke._int8_attention_kernel)
+    monkeypatch.setattr(ke, "_int8_attention_kernel", spy)
+    torch.manual_seed(3)
+    out, ref, _, _ = u.attention_case([32, 1, 17], 2, 16, DEV, config=u.ATTENTION_PATHS[path], p_scale=p_scale)
+    assert spy.calls.pop()["P_CLAMP"] == clamp
+    u.assert_int8_close(out, ref)
+    assert (ref != 0).float().mean() > 0.3
+
+
 def test_attention_mask_changes_result():
     # masking keys must change the outputs of the other rows (the mask is really applied)
     torch.manual_seed(5)

@@ -194,6 +194,7 @@ def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=
 class _ReferenceOps:
     int8_gemm = staticmethod(reference_int8_gemm)
     int8_attention = staticmethod(reference_int8_attention)
+    attention_key_words = staticmethod(lambda key_mask: key_mask)
     layernorm_quant = staticmethod(reference_layernorm_quant)
 
 
@@ -542,6 +543,8 @@ class Int8Encoder(torch.nn.Module):
         x16, xq = ops.layernorm_quant(self.word_emb, self.emb_ln_w, self.emb_ln_b, self.eps, self.l0_in_cs, mode1,
                                       embed=embed)
         t = input_ids.numel() if gather is None else gather.numel()
+        if key_mask is not None:
+            key_mask = ops.attention_key_words(key_mask)  # once per forward, not per layer
         for i in range(self.num_layers):
             g = lambda name: getattr(self, f"l{i}_{name}")  # noqa: E731
             sc = {k: self.scales[k][i] for k in _ACTS_PER_LAYER}

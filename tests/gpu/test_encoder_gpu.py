@@ -102,11 +102,24 @@ def test_attention_wide_heads_full_size(path):
 @pytest.mark.parametrize("path", ["table", "two_pass", "two_pass_m128_w8", "one_pass_m32_w8"])
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("lengths", [[384, 100, 1, 0], [128, 77, 0, 128]])
-def test_attention_padded_equals_packed_and_masked_rows(path, aligned, lengths):
-    out_p, ref_p, cu_p, _ = u.attention_case(lengths, 12, 64, DEV, padded=True, config=PATHS[path], aligned=aligned)
+@pytest.mark.parametrize("key_words", [False, True])
+def test_attention_padded_equals_packed_and_masked_rows(path, aligned, lengths, key_words):
+    # key_words: the mask as the encoder hands it over (int32 words made once per forward)
+    out_p, ref_p, cu_p, _ = u.attention_case(lengths, 12, 64, DEV, padded=True, config=PATHS[path], aligned=aligned,
+                                             key_words=key_words)
     u.assert_int8_close(out_p, ref_p)
     s, b = max(lengths), lengths.index(0)
     assert int(out_p[b * s:(b + 1) * s].abs().max()) == 0  # fully masked sequence: p = 0, ctx = 0
+
+
+@pytest.mark.parametrize("path", ["table", "two_pass", "one_pass_m64_w4"])
+@pytest.mark.parametrize("p_scale", [1.0 / 127, 1.0 / 300])
+def test_attention_probability_scales(path, p_scale):
+    """The encoder's 1 / 127 (codes not clamped: they cannot pass 127) and a smaller scale whose codes
+    saturate (clamped), through the MUFU exponentials."""
+    lengths = [1, 128, 77] if PATHS[path] is not None and PATHS[path].get("one_pass") else [1, 384, 200]
+    out, ref, _, _ = u.attention_case(lengths, 12, 64, DEV, config=PATHS[path], p_scale=p_scale)
+    u.assert_int8_close(out, ref)
 
 
 @pytest.mark.parametrize("m,n", [(1, 768), (4099, 768), (77, 384)])

@@ -613,12 +613,13 @@ def int8_gemm(
 # float in [-1.5 * 2^100, -0.75 * 2^100], below every real raw score (|Q_q . K_q^T| <= 2^22), with no select
 # per score; times any score scale above 1e-27 its exponential is 0.
 _MASKED_KEY_BITS = tl.constexpr(-243269632)  # 0xF1800000, float32 -2^100
+_KEY_ATTENDS_BITS = tl.constexpr(0x4B400000)  # float32 1.5 * 2^23, the conversion's magic number
 _MASKED_ROW_BELOW = tl.constexpr(-1e27)      # a row max this low means the row has no unmasked key
 
 
 @triton.jit
-def _raw_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen,
-                HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+def _raw_scores(q, k_base, key_words_ptr, kstart, n0, lead, klen,
+                HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr, LEAD: tl.constexpr, BLOCK_N: tl.constexpr):
     """Raw scores f = Q_q . K_q^T of the query block against key columns n0 .. n0 + BLOCK_N - 1 counted from
     `kstart` as exact float32 integers, masked columns (outside [lead, klen), or masked out) far below every
     real score; with the key columns. An int32 x with |x| <= 2^22 becomes float32 exactly without a conversion
@@ -628,21 +629,28 @@ def _raw_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen,
     scale is applied later, fused with the max subtraction (one FFMA per score). Offline sm90 SASS of the
     two-pass 64x64 tile (4 warps, 32 scores per thread and key block): 292 instructions per pass-1 iteration
     and 339 per pass-2 iteration, from 352 and 431 with a select, a multiply and a subtraction per score (the
-    integer add even folds into the MMA: its accumulator starts at the magic numbers)."""
+    integer add even folds into the MMA: its accumulator starts at the magic numbers).
+
+    With a key mask (HAS_MASK) the per-column magic numbers are loaded as they are: `attention_key_words` made
+    them once per forward, so no compare and select per column and key block (with the byte mask they cost the
+    padded 32x384 forward's 64x64 tile 48 instructions per pass-1 iteration and 58 per pass-2 iteration).
+    LEAD: columns before `lead` (the previous sequence's keys under align-down) are masked too."""
     d = tl.arange(0, HEAD_DIM)
     cols = n0 + tl.arange(0, BLOCK_N)
     in_k = cols < klen
     k = tl.load(k_base + (kstart + cols)[:, None] * HEAD_DIM + d[None, :], mask=in_k[:, None], other=0)
     acc = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
-    valid = in_k & (cols >= lead)
     if HAS_MASK:
-        valid = valid & (tl.load(key_mask_ptr + kstart + cols, mask=in_k, other=0) != 0)
+        magic = tl.load(key_words_ptr + kstart + cols, mask=in_k, other=_MASKED_KEY_BITS)
+    else:
+        magic = tl.where(in_k, _KEY_ATTENDS_BITS, _MASKED_KEY_BITS)
+    if LEAD:
+        magic = tl.where(cols >= lead, magic, _MASKED_KEY_BITS)
     if HEAD_DIM <= 256:
         # |Q_q . K_q^T| <= HEAD_DIM * 2^14 <= 2^22: the magic-number conversion is exact
-        magic = tl.where(valid, 0x4B400000, _MASKED_KEY_BITS)
         f = (acc + magic[None, :]).to(tl.float32, bitcast=True) - 12582912.0
     else:
-        f = tl.where(valid[None, :], acc.to(tl.float32), -1.2676506002282294e30)
+        f = tl.where((magic == _KEY_ATTENDS_BITS)[None, :], acc.to(tl.float32), -1.2676506002282294e30)
     return f, cols
 
 
@@ -660,13 +668,25 @@ def _p_factor(l, inv_p_scale):
 
 
 @triton.jit
+def _p_codes(v, P_CLAMP: tl.constexpr):
+    """int8 codes of probabilities over their scale, v = p / s_p >= 0. Without P_CLAMP (the launcher's promise
+    that 1 / s_p <= 127 (1 + 2^-10)) no clamp: p <= 1 up to the approximations' few ulp, so v < 127.5 and the magic-number
+    rounding alone gives at most 127 (one FMNMX per score fewer, 32 of the 64x64 tile's 340 pass-2
+    instructions per key block)."""
+    if P_CLAMP:
+        return to_int8_sat_nonneg(v)
+    else:
+        return (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+
+
+@triton.jit
 def _int8_attention_kernel(
-    qk_ptr, vt_ptr, out_ptr, cu_seqlens_ptr, key_mask_ptr,
+    qk_ptr, vt_ptr, out_ptr, cu_seqlens_ptr, key_words_ptr,
     T, k_plane, stride_vt, stride_om,
     score_scale_log2, inv_p_scale, ctx_scale, out_scale,
     HEAD_DIM: tl.constexpr, HAS_MASK: tl.constexpr, ONE_PASS: tl.constexpr, ALIGNED: tl.constexpr,
     ALIGN_DOWN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
-    INTERPRET: tl.constexpr, FMA_DIV: tl.constexpr = True,
+    INTERPRET: tl.constexpr, FMA_DIV: tl.constexpr = True, P_CLAMP: tl.constexpr = True,
 ):
     """ONE_PASS (BLOCK_N >= the longest sequence): the block's whole score rows at once, so the row max and
     the normaliser are exact reductions and each score is computed and exponentiated once; otherwise two
@@ -717,10 +737,11 @@ def _int8_attention_kernel(
                 # loads that long lost 1.3-1.8 us, so they stay after the softmax)
                 vt = tl.load(vt_base + d[:, None] * stride_vt + (kstart + tl.arange(0, BLOCK_N))[None, :],
                              mask=(tl.arange(0, BLOCK_N) < vlen)[None, :], other=0)
-            f, cols = _raw_scores(q, k_base, key_mask_ptr, kstart, 0, lead, klen, HEAD_DIM, HAS_MASK, BLOCK_N)
+            f, cols = _raw_scores(q, k_base, key_words_ptr, kstart, 0, lead, klen, HEAD_DIM, HAS_MASK, ALIGN_DOWN,
+                                  BLOCK_N)
             m_scaled = _scaled_row_max(tl.max(f, 1), score_scale_log2)
             e = exp2_approx(tl.fma(f, score_scale_log2, -m_scaled[:, None]), INTERPRET)
-            p_q = to_int8_sat_nonneg(e * _p_factor(tl.sum(e, 1), inv_p_scale)[:, None])
+            p_q = _p_codes(e * _p_factor(tl.sum(e, 1), inv_p_scale)[:, None], P_CLAMP)
             if not ALIGNED:
                 vt = tl.load(vt_base + d[:, None] * stride_vt + (kstart + cols)[None, :],
                              mask=(cols < vlen)[None, :], other=0)
@@ -730,7 +751,8 @@ def _int8_attention_kernel(
             m_raw = tl.full((BLOCK_M,), float("-inf"), tl.float32)
             l_i = tl.zeros((BLOCK_M,), tl.float32)
             for n0 in range(0, klen, BLOCK_N):
-                f, cols = _raw_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen, HEAD_DIM, HAS_MASK, BLOCK_N)
+                f, cols = _raw_scores(q, k_base, key_words_ptr, kstart, n0, lead, klen, HEAD_DIM, HAS_MASK,
+                                      ALIGN_DOWN, BLOCK_N)
                 m_new = tl.maximum(m_raw, tl.max(f, 1))
                 m_scaled = _scaled_row_max(m_new, score_scale_log2)
                 # the old sum is 0 while a row has seen no unmasked key (m_raw * c is then -inf or -2^100 c)
@@ -745,8 +767,9 @@ def _int8_attention_kernel(
             p_bias = tl.where(p_factor > 0.0, _scaled_row_max(m_raw, score_scale_log2) - log2_factor, float("inf"))
             acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.int32)
             for n0 in range(0, klen, BLOCK_N):
-                f, cols = _raw_scores(q, k_base, key_mask_ptr, kstart, n0, lead, klen, HEAD_DIM, HAS_MASK, BLOCK_N)
-                p_q = to_int8_sat_nonneg(exp2_approx(tl.fma(f, score_scale_log2, -p_bias[:, None]), INTERPRET))
+                f, cols = _raw_scores(q, k_base, key_words_ptr, kstart, n0, lead, klen, HEAD_DIM, HAS_MASK,
+                                      ALIGN_DOWN, BLOCK_N)
+                p_q = _p_codes(exp2_approx(tl.fma(f, score_scale_log2, -p_bias[:, None]), INTERPRET), P_CLAMP)
                 vt = tl.load(vt_base + d[:, None] * stride_vt + (kstart + cols)[None, :],
                              mask=(cols < vlen)[None, :], other=0)
                 acc = tl.dot(p_q, tl.trans(vt), acc, out_dtype=tl.int32)
@@ -779,6 +802,21 @@ def _attention_config(device: torch.device, max_seqlen: int, aligned_starts: boo
     return table["attention_aligned" if aligned_vt else "attention"]
 
 
+# the key words' two values as int32 (the kernel's _KEY_ATTENDS_BITS / _MASKED_KEY_BITS)
+KEY_ATTENDS_WORD = 0x4B400000
+KEY_MASKED_WORD = -243269632
+
+
+def attention_key_words(key_mask: torch.Tensor) -> torch.Tensor:
+    """int8 / bool key mask [T] (nonzero = attend) -> the int32 words `int8_attention` adds to each key's raw
+    scores: the magic number of the scores' float conversion where the key attends, the bits of -2^100 where it
+    is masked. The encoder makes them once per forward; the attention of every layer loads them as they are."""
+    if key_mask.dtype == torch.int32:
+        return key_mask
+    # int32 from the start, no host tensors (CUDA-graph capturable)
+    return torch.full_like(key_mask, KEY_MASKED_WORD, dtype=torch.int32).masked_fill_(key_mask != 0, KEY_ATTENDS_WORD)
+
+
 def int8_attention(
     qk: torch.Tensor,
     vt: torch.Tensor,
@@ -794,7 +832,8 @@ def int8_attention(
     aligned_starts: bool = False,
 ) -> torch.Tensor:
     """Attention over packed sequences. qk [2, heads, T, d] int8, vt [heads, d, T_v] int8,
-    cu_seqlens int32 [B + 1], key_mask int8 [T] (nonzero = attend) or None. Returns int8 [T, heads * d].
+    cu_seqlens int32 [B + 1], key_mask int8 / bool [T] (nonzero = attend), its `attention_key_words` (int32),
+    or None. Returns int8 [T, heads * d].
     config (block_m, block_n, num_warps, num_stages, and optionally one_pass: the whole key range in one block,
     block_n then being the next power of two of max_seqlen, at least 32) overrides the table
     (benchmarks/tune_encoder.py).
@@ -825,13 +864,16 @@ def int8_attention(
     grid = (cdiv(max(max_seqlen, 1), bm), heads, batch)
     score_scale_log2 = q_scale * k_scale / math.sqrt(head_dim) * math.log2(math.e)
     pdl = _pdl(qk.device, t, "attention")
+    key_words = cu_seqlens if key_mask is None else attention_key_words(key_mask)
+    inv_p_scale = 1.0 / p_scale
     launch_kernel(_int8_attention_kernel, grid,
-        qk, vt, out, cu_seqlens, key_mask if key_mask is not None else cu_seqlens,
+        qk, vt, out, cu_seqlens, key_words,
         t, heads * t * head_dim, vt.stride(1), out.stride(0),
-        score_scale_log2, 1.0 / p_scale, p_scale * v_scale, out_scale,
+        score_scale_log2, inv_p_scale, p_scale * v_scale, out_scale,
         HEAD_DIM=head_dim, HAS_MASK=key_mask is not None, ONE_PASS=one_pass,
         ALIGNED=aligned, ALIGN_DOWN=align_down,
         BLOCK_M=bm, BLOCK_N=bn, PDL=pdl, INTERPRET=INTERPRET, FMA_DIV=div_rn_by_applies(out_scale),
+        P_CLAMP=inv_p_scale > 127.0 * (1 + 2 ** -10),
         num_warps=cfg["num_warps"], num_stages=stages, **pdl_launch_options(pdl),
     )
     return out
