@@ -478,6 +478,8 @@ def test_attention_key_words_equal_the_byte_mask(path):
     assert torch.equal(kw, torch.where(key_mask != 0, 0x4B400000, -243269632).int())
     assert ke.attention_key_words(kw) is kw
     assert torch.equal(ke.attention_key_words(key_mask != 0), kw)  # a bool mask too
+    with pytest.raises(TypeError, match="key_mask"):
+        ke.attention_key_words(key_mask.float())
 
 
 @pytest.mark.parametrize("path", sorted(u.ATTENTION_PATHS))

@@ -670,9 +670,10 @@ def _p_factor(l, inv_p_scale):
 @triton.jit
 def _p_codes(v, P_CLAMP: tl.constexpr):
     """int8 codes of probabilities over their scale, v = p / s_p >= 0. Without P_CLAMP (the launcher's promise
-    that 1 / s_p <= 127 (1 + 2^-10)) no clamp: p <= 1 up to the approximations' few ulp, so v < 127.5 and the magic-number
-    rounding alone gives at most 127 (one FMNMX per score fewer, 32 of the 64x64 tile's 340 pass-2
-    instructions per key block)."""
+    that 1 / s_p <= 127 (1 + 2^-10)) no clamp: p <= 1 up to the approximations' few ulp, so v < 127.5 and the
+    magic-number rounding alone gives at most 127 (one FMNMX per score fewer, 32 of the 64x64 tile's 340 pass-2
+    instructions per key block). The one-pass path's normalising multiply then fuses with the rounding add (one
+    FFMA, one rounding instead of two), so its codes can move by one at near-ties."""
     if P_CLAMP:
         return to_int8_sat_nonneg(v)
     else:
@@ -810,11 +811,15 @@ KEY_MASKED_WORD = -243269632
 def attention_key_words(key_mask: torch.Tensor) -> torch.Tensor:
     """int8 / bool key mask [T] (nonzero = attend) -> the int32 words `int8_attention` adds to each key's raw
     scores: the magic number of the scores' float conversion where the key attends, the bits of -2^100 where it
-    is masked. The encoder makes them once per forward; the attention of every layer loads them as they are."""
+    is masked. The encoder makes them once per forward; the attention of every layer loads them as they are.
+    An int32 tensor is taken to be key words already and returned as it is (int32 is never a mask here)."""
     if key_mask.dtype == torch.int32:
         return key_mask
+    if key_mask.dtype not in (torch.int8, torch.bool):
+        raise TypeError(f"key_mask: expected int8 or bool (nonzero = attend), got {key_mask.dtype}")
     # int32 from the start, no host tensors (CUDA-graph capturable)
-    return torch.full_like(key_mask, KEY_MASKED_WORD, dtype=torch.int32).masked_fill_(key_mask != 0, KEY_ATTENDS_WORD)
+    words = torch.full_like(key_mask, KEY_MASKED_WORD, dtype=torch.int32)
+    return words.masked_fill_(key_mask != 0, KEY_ATTENDS_WORD)
 
 
 def int8_attention(
@@ -832,8 +837,8 @@ def int8_attention(
     aligned_starts: bool = False,
 ) -> torch.Tensor:
     """Attention over packed sequences. qk [2, heads, T, d] int8, vt [heads, d, T_v] int8,
-    cu_seqlens int32 [B + 1], key_mask int8 / bool [T] (nonzero = attend), its `attention_key_words` (int32),
-    or None. Returns int8 [T, heads * d].
+    cu_seqlens int32 [B + 1], key_mask int8 / bool [T] (nonzero = attend), its `attention_key_words` (int32:
+    always read as key words, never as a 0 / 1 mask), or None. Returns int8 [T, heads * d].
     config (block_m, block_n, num_warps, num_stages, and optionally one_pass: the whole key range in one block,
     block_n then being the next power of two of max_seqlen, at least 32) overrides the table
     (benchmarks/tune_encoder.py).
