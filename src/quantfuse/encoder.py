@@ -598,9 +598,9 @@ class Int8Encoder(torch.nn.Module):
         positions, zero_types, cu = self._padded_constants(b, s, input_ids.device)
         types = zero_types if token_type_ids is None else token_type_ids.reshape(-1)
         if not remove_padding:
-            # no mask: every key attends (the kernels skip the mask); else nonzero = attend, the bool's byte
-            # reinterpreted as int8 (one kernel, not a compare and a conversion)
-            key_mask = None if attention_mask is None else (attention_mask.reshape(-1) != 0).view(torch.int8)
+            # no mask: every key attends (the kernels skip the mask); else True = attend (the layers turn it into
+            # the attention's key words once)
+            key_mask = None if attention_mask is None else attention_mask.reshape(-1) != 0
             # cu holds multiples of s: the attention may assume 16-aligned sequence starts when s is a multiple
             # of 16
             return self._layers(input_ids.reshape(-1), types, positions, cu, s, key_mask,

@@ -271,6 +271,12 @@ def rne_f64(x):
 
 
 @triton.jit
+def to_int8_rne(v):
+    """rne(v) as int8 for float32 v already in [-128.5, 127.5) (callers clamp or bound it; `to_int8_sat`)."""
+    return (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+
+
+@triton.jit
 def to_int8_sat(v):
     """sat_int8(rne(v)) for float32 v. Clamping before rounding equals rounding before saturating
     because the bounds are integers; NaN becomes a bound (maxnum semantics), never a crash.
@@ -280,14 +286,13 @@ def to_int8_sat(v):
     (2^22 is a multiple of 256). On sm90 the conversion (F2I) issues on the quarter-rate pipe shared with
     exp2 / reciprocal; the byte extraction is free in the store's byte packing (offline SASS of the encoder's
     GELU epilogue: one FADD per element instead of FADD + FADD + F2I)."""
-    v = tl.minimum(tl.maximum(v, -128.0), 127.0)
-    return (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+    return to_int8_rne(tl.minimum(tl.maximum(v, -128.0), 127.0))
 
 
 @triton.jit
 def to_int8_sat_nonneg(v):
     """to_int8_sat for v >= 0 (or NaN, which becomes 127): one bound to clamp, not two."""
-    return (tl.minimum(v, 127.0) + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+    return to_int8_rne(tl.minimum(v, 127.0))
 
 
 @triton.jit

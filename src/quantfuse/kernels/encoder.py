@@ -56,7 +56,8 @@ import triton.language as tl
 
 from ._common import (INTERPRET, cdiv, describable, descriptor, div_rn_by, div_rn_by_applies, exp2_approx,
                       grid_dependency_sync, launch_kernel, next_pow2, pdl_launch_options, pdl_supported,
-                      persistent_grid, rcp_approx, tile_coords, tma_variant, to_int8_sat, to_int8_sat_nonneg)
+                      persistent_grid, rcp_approx, tile_coords, tma_variant, to_int8_rne, to_int8_sat,
+                      to_int8_sat_nonneg)
 from . import encoder_wgmma
 from .configs import arch_key, sm_count
 
@@ -677,7 +678,7 @@ def _p_codes(v, P_CLAMP: tl.constexpr):
     if P_CLAMP:
         return to_int8_sat_nonneg(v)
     else:
-        return (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+        return to_int8_rne(v)
 
 
 @triton.jit
@@ -817,9 +818,9 @@ def attention_key_words(key_mask: torch.Tensor) -> torch.Tensor:
         return key_mask
     if key_mask.dtype not in (torch.int8, torch.bool):
         raise TypeError(f"key_mask: expected int8 or bool (nonzero = attend), got {key_mask.dtype}")
-    # int32 from the start, no host tensors (CUDA-graph capturable)
+    # int32 from the start, no host tensors (CUDA-graph capturable); a bool mask is not compared again
     words = torch.full_like(key_mask, KEY_MASKED_WORD, dtype=torch.int32)
-    return words.masked_fill_(key_mask != 0, KEY_ATTENDS_WORD)
+    return words.masked_fill_(key_mask if key_mask.dtype == torch.bool else key_mask != 0, KEY_ATTENDS_WORD)
 
 
 def int8_attention(
