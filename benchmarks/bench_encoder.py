@@ -23,7 +23,9 @@ graphs for anyone, full-length sequences with an all-ones attention_mask unless 
   plain stream order, same run (= mode2_graph_us where the table's `pdl_max_tokens` leaves PDL off anyway).
   mode2_graph_no_ln_pdl_us / packed_graph_no_ln_pdl_us: the same with the LayerNorms behind the residual GEMMs
   also in stream order (the table's `pdl_layernorm_max_tokens` set to 0); *_no_attn_pdl_us: the attention behind
-  the QKV GEMM likewise (`pdl_attention_max_tokens`).
+  the QKV GEMM likewise (`pdl_attention_max_tokens`). mode2_graph_one_stream_us / padded_graph_one_stream_us:
+  where a captured forward splits its batch over two streams (`stream_split_min_tokens`), the same forwards with
+  streams=1 (= mode2_graph_us / padded_graph_us where it does not split).
 
 Whole run: meant to stay under 150 s on one H100 (the torch.compile of each shape dominates; if the compiles
 would exceed COMPILE_BUDGET_S (80 s), the remaining shapes get compile_us = null and the peer is
@@ -60,7 +62,7 @@ COLUMNS = ["batch", "seq", "tokens", "hf_us", "compile_us", "mode1_us", "mode2_u
            "mode1_graph_us", "mode2_graph_us", "graph_speedup_mode1", "graph_speedup_mode2", "packed_graph_us",
            "padded_graph_us", "packing_graph_speedup", "mode2_graph_no_pdl_us",
            "mode2_graph_no_ln_pdl_us", "packed_graph_no_ln_pdl_us", "mode2_graph_no_attn_pdl_us",
-           "packed_graph_no_attn_pdl_us"]
+           "packed_graph_no_attn_pdl_us", "mode2_graph_one_stream_us", "padded_graph_one_stream_us"]
 
 
 def build_model(cfg_kwargs, device, dtype):
@@ -198,6 +200,14 @@ def main(argv=None) -> None:
             m2_nopdl_g = graphed(enc_fn(encoders[2], False), sets) if batch * seq <= pdl_was else m2_g
         finally:
             table["pdl_max_tokens"] = pdl_was
+        # ablation: the batch on one stream where a captured forward splits it over two (Int8Encoder.forward's
+        # streams=None: from the table's stream_split_min_tokens), the same run
+        split_from = ke.stream_split_min_tokens(dev) if not dry else 0
+        splits = bool(split_from) and batch >= 2 and batch * seq >= split_from
+        one_stream = {}
+        for key, mode, fn_sets in (("mode2", 2, sets), ("padded", 1, var_sets)):
+            one_stream[key] = graphed(lambda ids, mask, e=encoders[mode]: e(ids, mask, remove_padding=False,
+                                                                            streams=1), fn_sets) if splits else None
         # ablations: the LayerNorms behind the residual GEMMs, or the attention behind the QKV GEMM, in plain
         # stream order too (the table's pdl_layernorm_max_tokens / pdl_attention_max_tokens set to 0)
         ablated = {}
@@ -231,6 +241,8 @@ def main(argv=None) -> None:
             "packed_graph_no_ln_pdl_us": _us(ablated["layernorm"][1]),
             "mode2_graph_no_attn_pdl_us": _us(ablated["attention"][0]),
             "packed_graph_no_attn_pdl_us": _us(ablated["attention"][1]),
+            "mode2_graph_one_stream_us": _us(one_stream["mode2"] if splits else m2_g),
+            "padded_graph_one_stream_us": _us(one_stream["padded"] if splits else padded_g),
         })
         print(rows[-1], f"({time.perf_counter() - t_start:.0f} s)", flush=True)
 

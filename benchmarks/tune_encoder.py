@@ -20,8 +20,9 @@ Writes tune_encoder.json (rows with part, shape, config, us, and the peers' us).
 candidates and runs one of each on CPU under the interpreter with tiny shapes.
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_encoder.py
 Narrowing (environment): TUNE_M=1024,4096 (GEMM rows), TUNE_TILES=128x128x128x4x3,... (GEMM tiles),
-TUNE_RECIP=1 / TUNE_FAST_GELU=0,1 (epilogue options), TUNE_FC1_NOGELU=1 (FC1 without GELU, its cost),
-TUNE_ATTN=one_pass (the one-pass attention tiles), TUNE_ALIGNED=0,1 (16-aligned sequence starts),
+TUNE_RECIP=1 / TUNE_FAST_GELU=0,1 (epilogue options), TUNE_GEMMS=o,fc2 (which GEMMs),
+TUNE_FC1_NOGELU=1 (FC1 without GELU, its cost), TUNE_ATTN=one_pass (the one-pass attention tiles),
+TUNE_ALIGNED=0,1 (16-aligned sequence starts),
 TUNE_ATTN_SHAPES=32x384,16x512 (attention batch x seq), TUNE_ATTN_CONFIGS=64x64x4x3,64xopx4x1
 (attention tiles; op = one pass), TUNE_VARLEN=32x32-96,... (packed batches of random
 lengths: batch x lo-hi), TUNE_PROFILE_SHAPES=32x128,... (profiled
@@ -57,6 +58,9 @@ if os.environ.get("TUNE_TILES"):
 # TUNE_FC1_NOGELU=1 adds fc1's GEMM with the requantizing epilogue but no GELU (what the GELU costs)
 if os.environ.get("TUNE_FC1_NOGELU") == "1":
     GEMMS = GEMMS + [("fc1_nogelu", INTER, HIDDEN)]
+# TUNE_GEMMS=o,fc2: only these of the layer's GEMMs
+if os.environ.get("TUNE_GEMMS"):
+    GEMMS = [g for g in GEMMS if g[0] in os.environ["TUNE_GEMMS"].split(",")]
 ROTATE = 4
 ATTN_SHAPES = [(128, 128), (32, 384)]
 ATTN_CONFIGS = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)

@@ -15,10 +15,10 @@ Measured bounds (tiny BERT, hidden 64, 2 layers, 4 heads, sequences of 1 / 31 / 
   cosine > 0.995 and relative error < 0.06.
 """
 
+import dataclasses
+import math
 import os
 import sys
-
-import math
 
 import pytest
 import torch
@@ -644,6 +644,7 @@ def test_pack_mask():
     # the packed layers run on 16 rows: the valid tokens, then rows outside every sequence (position 0)
     assert pk.gather.tolist() == [0, 1, 2, 8, 10, 11] + [0] * 10
     assert pack_mask(torch.ones(2, 8)).gather.tolist() == list(range(16))
+    assert pk.cu_host == (0, 3, 3, 6)  # the host copy a forward split over streams slices with
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -778,6 +779,66 @@ def test_encoder_padded_defaults_and_kept_constants(tiny, backend):
     v = part.bool()
     assert torch.equal(typed_packed[v], typed_padded[v]) and not torch.equal(typed_packed[v], untyped_packed[v])
     assert int(typed_packed[~v].abs().max()) == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# A forward split over streams: each chunk of sequences is the forward of that sub-batch alone
+# ----------------------------------------------------------------------------------------------------
+def _sub_batch_forwards(e, ids, mask, chunks, remove_padding):
+    out = torch.zeros(ids.shape + (e.hidden,), dtype=torch.float16)
+    for r0, r1 in chunks:
+        out[r0:r1] = e(ids[r0:r1], mask[r0:r1], remove_padding=remove_padding, streams=1)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("remove_padding", [False, True])
+def test_encoder_split_over_streams_equals_sub_batch_forwards(tiny, backend, remove_padding):
+    _, encs = tiny[0.1]
+    ids, mask = u.random_batch(5, 16, vocab=VOCAB, lengths=[16, 3, 0, 11, 7])
+    with ops.backend(backend):
+        for mode in (1, 2):
+            e = encs[mode]
+            whole = e(ids, mask, remove_padding=remove_padding, streams=1)
+            # 3 chunks: rows 0-1, 2-3, 4 (an empty sequence inside one); 9 streams for 5 rows: one row each
+            for streams, chunks in ((2, [(0, 3), (3, 5)]), (3, [(0, 2), (2, 4), (4, 5)]),
+                                    (9, [(r, r + 1) for r in range(5)])):
+                split = e(ids, mask, remove_padding=remove_padding, streams=streams)
+                assert torch.equal(split, _sub_batch_forwards(e, ids, mask, chunks, remove_padding)), streams
+                if backend == "reference":  # no tile choice depends on the rows: the same as the whole batch
+                    assert torch.equal(split, whole)
+            if remove_padding:
+                v = mask.bool()
+                assert int(split[~v].abs().max()) == 0
+                # a PackedBatch without the host offsets (made by hand): read back once, outside any capture
+                pk = pack_mask(mask)
+                bare = dataclasses.replace(pk, cu_host=None)
+                assert torch.equal(e(ids, mask, packed=bare, streams=2), e(ids, mask, packed=pk, streams=2))
+
+
+def test_encoder_streams_argument_and_automatic_rule(tiny, monkeypatch):
+    _, encs = tiny[0.02]
+    e = encs[1]
+    ids, mask = u.random_batch(2, 8, vocab=VOCAB)
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="streams: expected None"):
+            e(ids, mask, streams=bad)
+    cuda = torch.device("cuda")
+    # automatic: one stream on the CPU, eagerly, for one sequence, or below the table's threshold
+    assert e._stream_parts(None, 32, 12288, torch.device("cpu")) == 1
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert e._stream_parts(None, 32, 12288, cuda) == 1  # eager
+    assert e._stream_parts(4, 3, 10, cuda) == 3 and e._stream_parts(1, 32, 12288, cuda) == 1
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(ke, "_table", lambda device: ke.ENCODER_CONFIGS["sm90"])
+    with ops.backend("triton"):
+        assert ke.stream_split_min_tokens(cuda) == 9216
+        assert e._stream_parts(None, 32, 9216, cuda) == 2
+        assert e._stream_parts(None, 32, 9215, cuda) == 1
+        assert e._stream_parts(None, 1, 16384, cuda) == 1
+    monkeypatch.setattr(ke, "_table", lambda device: ke.ENCODER_CONFIGS["default"])
+    with ops.backend("triton"):
+        assert e._stream_parts(None, 32, 16384, cuda) == 1  # 0: never
 
 
 def test_encoder_all_padding_batch(tiny):

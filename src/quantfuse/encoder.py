@@ -196,6 +196,7 @@ class _ReferenceOps:
     int8_attention = staticmethod(reference_int8_attention)
     attention_key_words = staticmethod(lambda key_mask: key_mask)
     layernorm_quant = staticmethod(reference_layernorm_quant)
+    stream_split_min_tokens = staticmethod(lambda device: 0)
 
 
 def _ops_for(x: Tensor):
@@ -404,6 +405,9 @@ class PackedBatch:
     seq_len: int
     # int64 [T rounded up to 16]: `indices`, then copies of position 0 (rows outside every sequence)
     gather: Optional[Tensor] = None
+    # cu_seqlens on the host (pack_mask reads it back anyway): where each row chunk's tokens start, so a forward
+    # split over streams slices the batch without a host synchronisation (CUDA-graph capturable)
+    cu_host: Optional[Tuple[int, ...]] = None
 
 
 # The packed layers run on a token count rounded up to this (the extra rows belong to no sequence: the
@@ -422,7 +426,68 @@ def pack_mask(attention_mask: Tensor) -> PackedBatch:
     cu = torch.zeros(b + 1, dtype=torch.int32, device=attention_mask.device)
     cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
     gather = torch.cat([indices, indices.new_zeros(-indices.numel() % _TOKEN_ROUND)])
-    return PackedBatch(indices, cu, int(lengths.max()) if b else 0, b, s, gather)
+    cu_host = tuple(int(v) for v in cu.tolist())
+    return PackedBatch(indices, cu, _max_length(cu_host, 0, b), b, s, gather, cu_host)
+
+
+def _max_length(cu_host: Tuple[int, ...], r0: int, r1: int) -> int:
+    """The longest of sequences r0 .. r1 - 1 (0 for none)."""
+    return max((cu_host[i + 1] - cu_host[i] for i in range(r0, r1)), default=0)
+
+
+def _row_chunks(b: int, parts: int) -> List[Tuple[int, int]]:
+    """[r0, r1) ranges of `parts` contiguous chunks of b rows, sizes within one of each other (longer first)."""
+    step, extra = divmod(b, parts)
+    bounds = [0]
+    for j in range(parts):
+        bounds.append(bounds[-1] + step + (j < extra))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+# side streams of split forwards, per CUDA device, made once and reused (graph branches need no new ones)
+_SIDE_STREAMS: Dict[int, List["torch.cuda.Stream"]] = {}
+
+
+def _side_streams(device: torch.device, main: "torch.cuda.Stream", count: int) -> List["torch.cuda.Stream"]:
+    """`count` streams of `device`, distinct from `main` and from each other. torch.cuda.Stream() hands out
+    PyTorch's pool of 32 streams per priority in turn, so a stream made earlier can be the very stream a later
+    graph capture runs on (seen in a bench_encoder run: the "side" half then launched into the capture stream, the
+    two halves in series, 11% slower than one batch)."""
+    pool = _SIDE_STREAMS.setdefault(torch.cuda.current_device() if device.index is None else device.index, [])
+    taken = {main.cuda_stream}
+    sides = []
+    for candidate in pool:
+        if len(sides) == count:
+            break
+        if candidate.cuda_stream not in taken:
+            sides.append(candidate)
+            taken.add(candidate.cuda_stream)
+    while len(sides) < count:
+        candidate = torch.cuda.Stream(device=device)
+        if candidate.cuda_stream not in taken:
+            pool.append(candidate)
+            sides.append(candidate)
+            taken.add(candidate.cuda_stream)
+    return sides
+
+
+def _in_streams(device: torch.device, chunks: List[Tuple[int, int]], run) -> None:
+    """run(r0, r1) for each row chunk: the first on the current stream, the others each on a side stream forked
+    from it and joined back before returning (under CUDA-graph capture: parallel branches of the graph). On the
+    CPU, or with one chunk, in order."""
+    if device.type != "cuda" or len(chunks) == 1:
+        for r0, r1 in chunks:
+            run(r0, r1)
+        return
+    main = torch.cuda.current_stream(device)
+    sides = _side_streams(device, main, len(chunks) - 1)
+    for side, (r0, r1) in zip(sides, chunks[1:]):
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            run(r0, r1)
+    run(*chunks[0])
+    for side in sides:
+        main.wait_stream(side)
 
 
 class Int8Encoder(torch.nn.Module):
@@ -580,9 +645,18 @@ class Int8Encoder(torch.nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                 token_type_ids: Optional[Tensor] = None, remove_padding: bool = True,
-                packed: Optional[PackedBatch] = None) -> Tensor:
+                packed: Optional[PackedBatch] = None, streams: Optional[int] = None) -> Tensor:
         """Last hidden states [B, S, hidden] (fp16). remove_padding packs the valid tokens (padded
-        positions come back as 0); otherwise every position runs and padded keys are masked."""
+        positions come back as 0); otherwise every position runs and padded keys are masked.
+
+        streams: how many contiguous chunks of the batch's sequences run the layers at once, each on its own CUDA
+        stream (parallel branches of a captured graph). None: two where the kernel table says a split pays off
+        (`stream_split_min_tokens`: from 9216 tokens on the H100) and the call is being captured in a CUDA graph
+        (eager, the doubled kernel launches would cost more host time than the overlap saves), else one. Each
+        chunk is exactly the forward of that sub-batch alone; its GEMMs may pick other tiles than the whole
+        batch's, so an int8 code can differ by one at a rounding tie between a split and an unsplit forward."""
+        if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int) or streams < 1):
+            raise ValueError(f"streams: expected None (automatic) or an int >= 1, got {streams!r}")
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected a [batch, seq] tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
         b, s = input_ids.shape
@@ -597,22 +671,75 @@ class Int8Encoder(torch.nn.Module):
         # picks its tokens out of these and out of the ids in the embedding kernel (through `gather`)
         positions, zero_types, cu = self._padded_constants(b, s, input_ids.device)
         types = zero_types if token_type_ids is None else token_type_ids.reshape(-1)
+        dev = input_ids.device
         if not remove_padding:
-            # no mask: every key attends (the kernels skip the mask); else True = attend (the layers turn it into
-            # the attention's key words once)
-            key_mask = None if attention_mask is None else attention_mask.reshape(-1) != 0
-            # cu holds multiples of s: the attention may assume 16-aligned sequence starts when s is a multiple
-            # of 16
-            return self._layers(input_ids.reshape(-1), types, positions, cu, s, key_mask,
-                                aligned_starts=s % 16 == 0).view(b, s, self.hidden)
+            parts = self._stream_parts(streams, b, b * s, dev)
+            if parts > 1:
+                out = torch.empty((b, s, self.hidden), dtype=torch.float16, device=dev)
+
+                def run(r0, r1):
+                    positions_c, _, cu_c = self._padded_constants(r1 - r0, s, dev)
+                    mask_c = None if attention_mask is None else attention_mask[r0:r1]
+                    out[r0:r1] = self._padded_layers(input_ids[r0:r1], types[r0 * s:r1 * s], positions_c, cu_c,
+                                                     mask_c)
+
+                _in_streams(dev, _row_chunks(b, parts), run)
+                return out
+            return self._padded_layers(input_ids, types, positions, cu, attention_mask)
         pk = packed or pack_mask(torch.ones_like(input_ids) if attention_mask is None else attention_mask)
         idx = pk.indices
         gather = pk.gather if pk.gather is not None else idx
-        out_packed = self._layers(input_ids.reshape(-1), types, positions, pk.cu_seqlens, pk.max_seqlen, None,
-                                  gather=gather)
-        out = torch.zeros((b * s, self.hidden), dtype=torch.float16, device=input_ids.device)
-        out[idx] = out_packed[:idx.numel()]
+        ids = input_ids.reshape(-1)
+        out = torch.zeros((b * s, self.hidden), dtype=torch.float16, device=dev)
+        parts = self._stream_parts(streams, b, idx.numel(), dev)
+        if parts > 1 and pk.cu_host is None:
+            if streams is None:
+                parts = 1  # automatic: a PackedBatch made elsewhere, without host offsets, runs whole
+            elif dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise ValueError("packed: a forward split over streams under CUDA-graph capture needs the host "
+                                 "offsets that pack_mask records (cu_host); this PackedBatch has none")
+            else:
+                pk = PackedBatch(idx, pk.cu_seqlens, pk.max_seqlen, pk.batch, pk.seq_len, pk.gather,
+                                 tuple(int(v) for v in pk.cu_seqlens.tolist()))
+        if parts == 1:
+            out_packed = self._layers(ids, types, positions, pk.cu_seqlens, pk.max_seqlen, None, gather=gather)
+            out[idx] = out_packed[:idx.numel()]
+            return out.view(b, s, self.hidden)
+
+        def run_packed(r0, r1):
+            start, end = pk.cu_host[r0], pk.cu_host[r1]
+            if end == start:
+                return
+            # the chunk's rows rounded up to _TOKEN_ROUND where `gather` has them (the extra rows are the next
+            # chunk's tokens or padding: they belong to none of this chunk's sequences)
+            rows = min(-(-(end - start) // _TOKEN_ROUND) * _TOKEN_ROUND, gather.numel() - start)
+            y = self._layers(ids, types, positions, pk.cu_seqlens[r0:r1 + 1] - start, _max_length(pk.cu_host, r0, r1),
+                             None, gather=gather[start:start + rows])
+            out[idx[start:end]] = y[:end - start]
+
+        _in_streams(dev, _row_chunks(b, parts), run_packed)
         return out.view(b, s, self.hidden)
+
+    def _padded_layers(self, input_ids: Tensor, types: Tensor, positions: Tensor, cu: Tensor,
+                       attention_mask: Optional[Tensor]) -> Tensor:
+        """The padded path on a [b, s] batch: every position runs, padded keys masked; [b, s, hidden] fp16."""
+        b, s = input_ids.shape
+        # no mask: every key attends (the kernels skip the mask); else True = attend (the layers turn it into the
+        # attention's key words once)
+        key_mask = None if attention_mask is None else attention_mask.reshape(-1) != 0
+        # cu holds multiples of s: the attention may assume 16-aligned sequence starts when s is a multiple of 16
+        return self._layers(input_ids.reshape(-1), types, positions, cu, s, key_mask,
+                            aligned_starts=s % 16 == 0).view(b, s, self.hidden)
+
+    def _stream_parts(self, streams: Optional[int], b: int, tokens: int, device: torch.device) -> int:
+        """How many row chunks (streams) a forward of b sequences and `tokens` rows runs as (`forward`'s
+        streams)."""
+        if streams is not None:
+            return max(1, min(streams, b))
+        if b < 2 or device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            return 1
+        threshold = _ops_for(self.word_emb).stream_split_min_tokens(device)
+        return 2 if threshold and tokens >= threshold else 1
 
     def _padded_constants(self, b: int, s: int, device: torch.device) -> Tuple[Tensor, Tensor, Tensor]:
         """(positions int64 [b * s], zero token types int64 [b * s], cu_seqlens int32 [b + 1]) of a padded

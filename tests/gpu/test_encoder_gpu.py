@@ -212,6 +212,84 @@ def test_encoder_padded_path_is_cuda_graph_capturable(bert, mode):
     assert torch.equal(out, expected)
 
 
+def _sub_batch_forwards(e, ids, mask, chunks, remove_padding):
+    out = torch.zeros(ids.shape + (e.hidden,), dtype=torch.float16, device=ids.device)
+    for r0, r1 in chunks:
+        out[r0:r1] = e(ids[r0:r1], mask[r0:r1], remove_padding=remove_padding, streams=1)
+    return out
+
+
+@pytest.mark.parametrize("remove_padding", [False, True])
+@pytest.mark.parametrize("mode", [1, 2])
+def test_encoder_split_over_streams_equals_sub_batch_forwards(bert, mode, remove_padding):
+    # eager, forced: each chunk on its own stream is bit for bit the forward of that sub-batch alone
+    torch.manual_seed(4)
+    e = Int8Encoder.from_hf(bert, [u.random_batch(2, 64, device=DEV)], mode=mode, calibrator="max")
+    ids, mask = u.random_batch(7, 128, lengths=[128, 5, 0, 77, 128, 1, 64], device=DEV)
+    whole = e(ids, mask, remove_padding=remove_padding)
+    for streams, chunks in ((2, [(0, 4), (4, 7)]), (3, [(0, 3), (3, 5), (5, 7)])):
+        split = e(ids, mask, remove_padding=remove_padding, streams=streams)
+        torch.cuda.synchronize()
+        assert torch.equal(split, _sub_batch_forwards(e, ids, mask, chunks, remove_padding)), streams
+        v = mask.bool()
+        assert torch.isfinite(split).all()
+        # against the unsplit forward: other tiles at other row counts, codes within rounding
+        cos = torch.nn.functional.cosine_similarity(split[v].float(), whole[v].float(), dim=-1)
+        assert float(cos.min()) > 0.9999, float(cos.min())
+
+
+@pytest.mark.parametrize("remove_padding", [False, True])
+def test_encoder_splits_over_two_streams_under_graph_capture(bert, remove_padding, monkeypatch):
+    # automatic: eagerly one stream; captured in a CUDA graph at >= stream_split_min_tokens, two parallel
+    # branches whose replay equals the eager two-stream forward bit for bit
+    torch.manual_seed(5)
+    e = Int8Encoder.from_hf(bert, [u.random_batch(2, 64, device=DEV)], mode=2, calibrator="max")
+    threshold = ke.stream_split_min_tokens(torch.device(DEV))
+    if not threshold:
+        pytest.skip("this GPU's table never splits")
+    batch = -(-threshold // 128) + (8 if remove_padding else 0)
+    lengths = [128] * batch if not remove_padding else torch.randint(112, 129, (batch,)).tolist()
+    ids, mask = u.random_batch(batch, 128, lengths=lengths, device=DEV)
+    pk = enc.pack_mask(mask)
+    tokens = pk.indices.numel() if remove_padding else batch * 128
+    assert tokens >= threshold
+    chunks_seen, streams_seen = [], []
+    real = enc._in_streams
+
+    def spy(dev, chunks, run):
+        chunks_seen.append(chunks)
+
+        def recording(r0, r1):
+            streams_seen.append(torch.cuda.current_stream().cuda_stream)
+            run(r0, r1)
+
+        real(dev, chunks, recording)
+
+    monkeypatch.setattr(enc, "_in_streams", spy)
+    expected = e(ids, mask, remove_padding=remove_padding, packed=pk if remove_padding else None, streams=2)
+    assert chunks_seen == [[(0, batch // 2), (batch // 2, batch)]]
+    chunks_seen.clear()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as an engine does: eagerly no split
+        e(ids, mask, remove_padding=remove_padding, packed=pk if remove_padding else None)
+    torch.cuda.current_stream().wait_stream(side)
+    assert chunks_seen == []
+    # the kept side stream is the capture's own stream (torch.cuda.Stream() cycles through PyTorch's pool of 32,
+    # so this happens by itself after enough streams): the halves must still run on two streams
+    capture = torch.cuda.Stream()
+    monkeypatch.setitem(enc._SIDE_STREAMS, torch.cuda.current_device(), [capture])
+    streams_seen.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture):
+        out = e(ids, mask, remove_padding=remove_padding, packed=pk if remove_padding else None)
+    assert chunks_seen == [[(0, batch // 2), (batch // 2, batch)]]
+    assert len(streams_seen) == 2 and len(set(streams_seen)) == 2 and capture.cuda_stream in streams_seen
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("fast", [1, 0, 2])
 def test_gelu_epilogue_accuracy_gpu(fast):
     """The epilogue's erf-GELU compiled for the GPU (fast reciprocal and exp2 there) against float64 erf:

@@ -166,6 +166,14 @@ ENCODER_CONFIGS = {
         # runs the 128x128 tile) mode 2 987.9 us with it vs 965.9 without, mode 1 1010.1 vs 982.9; at 4096 1319.8
         # vs 1329.7 and 1352.8 vs 1351.9; at 16384 4440-4455 vs 4541-4569, 32x384 4221-4268 vs 4303-4334
         "tma_epilogue_min_tokens": 4096,
+        # a CUDA-graph-captured forward of at least this many tokens runs its batch as two halves on two streams
+        # (parallel graph branches: one half's attention, LayerNorms and GEMM tails share the GPU with the other
+        # half's GEMMs). H100 sweep (results/tune_encoder_streams.json; mode 2 padded, mode 1 packed half-length,
+        # CUDA graphs, 2 / 4 halves vs one batch, two timings of one): 9216 tokens and up gain 2-8% (24x384 2922
+        # -> 2786 us, 32x384 3983 -> 3670, 96x128 3430 -> 3337, 128x128 4279 -> 4171, 32x512 5236 -> 4970,
+        # packed 64x384 3815 -> 3569), 8192 and below lose up to 10% (32x128 1271 -> 1400, 16x512 2827 -> 2954)
+        # or break even (packed 128x128 ~8150 tokens 2518 -> 2521); four parts lose almost everywhere
+        "stream_split_min_tokens": 9216,
     },
     "default": {
         "gemm": [
@@ -182,6 +190,7 @@ ENCODER_CONFIGS = {
         "reciprocal_requant": False,
         "fast_gelu": True,
         "pdl_max_tokens": 0,
+        "stream_split_min_tokens": 0,
     },
 }
 
@@ -202,6 +211,12 @@ def _pdl(device: torch.device, tokens: int, consumer: str = "") -> bool:
     table = _table(device)
     limit = max(table["pdl_max_tokens"], table.get(f"pdl_{consumer}_max_tokens", 0) if consumer else 0)
     return 0 < tokens <= limit and pdl_supported()
+
+
+def stream_split_min_tokens(device: torch.device) -> int:
+    """Token count from which a CUDA-graph-captured encoder forward splits its batch over two streams (the
+    table's `stream_split_min_tokens`; 0: never)."""
+    return int(_table(device).get("stream_split_min_tokens", 0))
 
 
 # ----------------------------------------------------------------------------------------------------
