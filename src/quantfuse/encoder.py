@@ -55,6 +55,7 @@ model fell to 0.92 at length 1 after calibrating at 128).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -699,8 +700,7 @@ class Int8Encoder(torch.nn.Module):
                 raise ValueError("packed: a forward split over streams under CUDA-graph capture needs the host "
                                  "offsets that pack_mask records (cu_host); this PackedBatch has none")
             else:
-                pk = PackedBatch(idx, pk.cu_seqlens, pk.max_seqlen, pk.batch, pk.seq_len, pk.gather,
-                                 tuple(int(v) for v in pk.cu_seqlens.tolist()))
+                pk = dataclasses.replace(pk, cu_host=tuple(int(v) for v in pk.cu_seqlens.tolist()))
         if parts == 1:
             out_packed = self._layers(ids, types, positions, pk.cu_seqlens, pk.max_seqlen, None, gather=gather)
             out[idx] = out_packed[:idx.numel()]
@@ -710,11 +710,11 @@ class Int8Encoder(torch.nn.Module):
             start, end = pk.cu_host[r0], pk.cu_host[r1]
             if end == start:
                 return
-            # the chunk's rows rounded up to _TOKEN_ROUND where `gather` has them (the extra rows are the next
-            # chunk's tokens or padding: they belong to none of this chunk's sequences)
-            rows = min(-(-(end - start) // _TOKEN_ROUND) * _TOKEN_ROUND, gather.numel() - start)
+            # the chunk's rows rounded up to _TOKEN_ROUND with position 0, as pack_mask rounds the whole batch (the
+            # same kernel specializations: no compilation inside a graph capture)
+            gather_c = F.pad(idx[start:end], (0, -(end - start) % _TOKEN_ROUND))
             y = self._layers(ids, types, positions, pk.cu_seqlens[r0:r1 + 1] - start, _max_length(pk.cu_host, r0, r1),
-                             None, gather=gather[start:start + rows])
+                             None, gather=gather_c)
             out[idx[start:end]] = y[:end - start]
 
         _in_streams(dev, _row_chunks(b, parts), run_packed)
