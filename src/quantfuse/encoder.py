@@ -42,6 +42,11 @@ loads V^T in aligned 16-byte copies. Packed sequences start anywhere: the kernel
 from its start rounded down to 16 (the keys before it masked; the QKV GEMM pads V^T's rows to 16 columns),
 so V^T loads in aligned copies there too.
 
+Streams: a forward captured in a CUDA graph from the kernel table's `stream_split_min_tokens` (9216 on the H100)
+runs its batch as two contiguous chunks of sequences, each on its own stream: the graph holds two parallel
+branches whose kernels overlap on the GPU (torch.profiler of a 32x384 replay), 2-8% faster from that size on and
+slower below it (benchmarks/results/tune_encoder_streams.json). `forward(streams=k)` forces k chunks.
+
 On CUDA tensors (or under `backend("triton")` with the interpreter) the kernels of
 `quantfuse.kernels.encoder` run; otherwise the same pipeline runs as a fake-quant PyTorch reference
 (`reference_*` below) that uses the same scales and the same integer arithmetic.
