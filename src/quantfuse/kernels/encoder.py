@@ -166,13 +166,14 @@ ENCODER_CONFIGS = {
         # runs the 128x128 tile) mode 2 987.9 us with it vs 965.9 without, mode 1 1010.1 vs 982.9; at 4096 1319.8
         # vs 1329.7 and 1352.8 vs 1351.9; at 16384 4440-4455 vs 4541-4569, 32x384 4221-4268 vs 4303-4334
         "tma_epilogue_min_tokens": 4096,
-        # a CUDA-graph-captured forward of at least this many tokens runs its batch as two halves on two streams
-        # (parallel graph branches: one half's attention, LayerNorms and GEMM tails share the GPU with the other
-        # half's GEMMs). H100 sweep (results/tune_encoder_streams.json; mode 2 padded, mode 1 packed half-length,
-        # CUDA graphs, 2 / 4 halves vs one batch, two timings of one): 9216 tokens and up gain 2-8% (24x384 2922
-        # -> 2786 us, 32x384 3983 -> 3670, 96x128 3430 -> 3337, 128x128 4279 -> 4171, 32x512 5236 -> 4970,
-        # packed 64x384 3815 -> 3569), 8192 and below lose up to 10% (32x128 1271 -> 1400, 16x512 2827 -> 2954)
-        # or break even (packed 128x128 ~8150 tokens 2518 -> 2521); four parts lose almost everywhere
+        # a CUDA-graph-captured forward of at least this many tokens runs its batch as two halves on two streams (two
+        # parallel graph branches, whose kernels overlap in a torch.profiler trace of the replay). H100 sweep
+        # (results/tune_encoder_streams.json; mode 2 padded, mode 1 packed half-length, CUDA graphs, 2 / 4 halves vs one
+        # batch, two timings of one): 9216 tokens and up gain 2-8% (24x384 2922 -> 2786 us, 32x384 3983 -> 3670, 96x128
+        # 3430 -> 3337, 128x128 4279 -> 4171, 32x512 5236 -> 4970, packed 64x384 3815 -> 3569), 8192 and below lose up
+        # to 10% (32x128 1271 -> 1400, 16x512 2827 -> 2954) or break even (packed 128x128 ~8150 tokens 2518 -> 2521);
+        # four parts lose almost everywhere. bench_encoder in one run (encoder.json, stop 43): mode 2 32x384 3711.4 us
+        # vs 3979.7 on one stream, 128x128 4128.9 vs 4337.2
         "stream_split_min_tokens": 9216,
     },
     "default": {
