@@ -588,6 +588,33 @@ def test_layernorm_dequant_fp16_output():
     assert torch.equal(r16, (r8.float() * s).half())
 
 
+@pytest.mark.parametrize("dequant", [False, True])
+def test_layernorm_writes_into_a_given_fp16_output(dequant):
+    """out_fp16: the fp16 output lands in the caller's rows (a split forward's chunk of the one output), bit for
+    bit what a fresh output gets, kernel and reference; a wrong buffer is refused before the launch."""
+    m, n = 37, 96
+    y = (torch.randn(m, n) * 4 + torch.randn(n)).half()
+    gamma, beta = (torch.rand(n) + 0.5).float(), (torch.randn(n) * 0.1).float()
+    s = enc._f32(4.0 / 127)
+    for backend in ("triton", "reference"):
+        whole = torch.full((m + 5, n), 7.0, dtype=torch.float16)
+        rows = whole[2:2 + m]
+        with ops.backend(backend):
+            layernorm = ke.layernorm_quant if backend == "triton" else enc.reference_layernorm_quant
+            fresh16, fresh8 = layernorm(y, gamma, beta, 1e-12, s, not dequant, dequant_fp16=dequant)
+            o16, o8 = layernorm(y, gamma, beta, 1e-12, s, not dequant, dequant_fp16=dequant, out_fp16=rows)
+        assert o16.data_ptr() == rows.data_ptr()
+        assert torch.equal(rows, fresh16) and torch.equal(o8, fresh8)
+        assert bool((whole[:2] == 7.0).all()) and bool((whole[2 + m:] == 7.0).all())
+    with ops.backend("triton"):
+        for bad in (torch.empty(m, n), torch.empty(m + 1, n, dtype=torch.float16),
+                    torch.empty(n, m, dtype=torch.float16).t()):
+            with pytest.raises(ValueError, match="out_fp16: expected a contiguous fp16"):
+                ke.layernorm_quant(y, gamma, beta, 1e-12, s, True, out_fp16=bad)
+        with pytest.raises(ValueError, match="out_fp16: given, but neither"):
+            ke.layernorm_quant(y, gamma, beta, 1e-12, s, False, out_fp16=rows)
+
+
 @pytest.mark.parametrize("m,source", [(1, 5), (37, 20), (40, 64)])
 def test_embedding_layernorm_through_a_gather(m, source):
     """The packed path's token selection inside the embedding kernel (row r = token gather[r] of `source`,

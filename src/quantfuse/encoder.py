@@ -166,12 +166,13 @@ def reference_embedding_sum(word, pos, typ, ids, positions, types):
     return (word[ids].float() + pos[positions].float() + typ[types.long()].float()).to(torch.float16)
 
 
-def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=None, dequant_fp16=False):
+def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=None, dequant_fp16=False,
+                              out_fp16=None):
     """o = (y - mean) / sqrt(var + eps) * gamma + beta per row (float32); fp16 copy if asked; int8
     sat(rne(o' / s_out)) with o' the fp16 copy when written, else o. embed = (input_ids, token_type_ids,
     positions, type_table, pos_table[, gather]): y is the word table and the rows fp16(word[ids] + pos[positions]
     + type[types]), summed in float32 in that order (with gather, row r is token gather[r]). dequant_fp16: the
-    fp16 output is fp16(float(q) * s_out)."""
+    fp16 output is fp16(float(q) * s_out). out_fp16: the fp16 output copied into this tensor, which is returned."""
     if embed is not None:
         ids, types, positions, type_emb, pos_emb = embed[:5]
         if len(embed) == 6:  # row r is token gather[r]
@@ -194,6 +195,8 @@ def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=
         out8 = _quant(o, _f32(out_scale))
     if dequant_fp16:
         out16 = (out8.float() * _f32(out_scale)).to(torch.float16)
+    if out_fp16 is not None:
+        out16 = out_fp16.copy_(out16)
     return out16, out8
 
 
@@ -601,9 +604,10 @@ class Int8Encoder(torch.nn.Module):
     # -- forward -----------------------------------------------------------------------------------
     def _layers(self, input_ids: Tensor, token_type_ids: Tensor, positions: Tensor, cu_seqlens: Tensor,
                 max_seqlen: int, key_mask: Optional[Tensor], aligned_starts: bool = False,
-                gather: Optional[Tensor] = None) -> Tensor:
-        """Tokens [T] (ids, token types, positions) -> the last layer's hidden states [T, H] fp16. With gather
-        (int64 [T]), token r is entry gather[r] of ids / types / positions (the padded batch's flat tokens)."""
+                gather: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:
+        """Tokens [T] (ids, token types, positions) -> the last layer's hidden states [T, H] fp16 (written into
+        `out`, a contiguous fp16 [T, H], where given). With gather (int64 [T]), token r is entry gather[r] of ids /
+        types / positions (the padded batch's flat tokens)."""
         ops = _ops_for(self.word_emb)
         mode1 = self.mode == 1
         s_in = self.scales["in"]
@@ -612,7 +616,7 @@ class Int8Encoder(torch.nn.Module):
         embed = (input_ids.contiguous(), token_type_ids.contiguous(), positions.contiguous(), self.token_type,
                  self.pos_emb) + (() if gather is None else (gather,))
         x16, xq = ops.layernorm_quant(self.word_emb, self.emb_ln_w, self.emb_ln_b, self.eps, self.l0_in_cs, mode1,
-                                      embed=embed)
+                                      embed=embed, out_fp16=out if self.num_layers == 0 else None)
         t = input_ids.numel() if gather is None else gather.numel()
         if key_mask is not None:
             key_mask = ops.attention_key_words(key_mask)  # once per forward, not per layer
@@ -638,7 +642,7 @@ class Int8Encoder(torch.nn.Module):
                 next_scale = getattr(self, f"l{i + 1}_in_cs")
             # mode 2's output is its last int8 activation dequantized, written by the same kernel
             x16, xq = ops.layernorm_quant(y2, g("ln2_w"), g("ln2_b"), self.eps, next_scale, mode1,
-                                          dequant_fp16=last and not mode1)
+                                          dequant_fp16=last and not mode1, out_fp16=out if last else None)
         return x16
 
     def forward_packed(self, input_ids: Tensor, token_type_ids: Tensor, positions: Tensor, cu_seqlens: Tensor,
@@ -686,8 +690,9 @@ class Int8Encoder(torch.nn.Module):
                 def run(r0, r1):
                     positions_c, _, cu_c = self._padded_constants(r1 - r0, s, dev)
                     mask_c = None if attention_mask is None else attention_mask[r0:r1]
-                    out[r0:r1] = self._padded_layers(input_ids[r0:r1], types[r0 * s:r1 * s], positions_c, cu_c,
-                                                     mask_c)
+                    # the chunk's last LayerNorm writes its rows of `out` (no copy)
+                    self._padded_layers(input_ids[r0:r1], types[r0 * s:r1 * s], positions_c, cu_c, mask_c,
+                                        out=out[r0:r1])
 
                 _in_streams(dev, _row_chunks(b, parts), run)
                 return out
@@ -726,15 +731,16 @@ class Int8Encoder(torch.nn.Module):
         return out.view(b, s, self.hidden)
 
     def _padded_layers(self, input_ids: Tensor, types: Tensor, positions: Tensor, cu: Tensor,
-                       attention_mask: Optional[Tensor]) -> Tensor:
-        """The padded path on a [b, s] batch: every position runs, padded keys masked; [b, s, hidden] fp16."""
+                       attention_mask: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
+        """The padded path on a [b, s] batch: every position runs, padded keys masked; [b, s, hidden] fp16 (into
+        `out`, contiguous, where given)."""
         b, s = input_ids.shape
         # no mask: every key attends (the kernels skip the mask); else True = attend (the layers turn it into the
         # attention's key words once)
         key_mask = None if attention_mask is None else attention_mask.reshape(-1) != 0
         # cu holds multiples of s: the attention may assume 16-aligned sequence starts when s is a multiple of 16
-        return self._layers(input_ids.reshape(-1), types, positions, cu, s, key_mask,
-                            aligned_starts=s % 16 == 0).view(b, s, self.hidden)
+        return self._layers(input_ids.reshape(-1), types, positions, cu, s, key_mask, aligned_starts=s % 16 == 0,
+                            out=None if out is None else out.view(b * s, self.hidden)).view(b, s, self.hidden)
 
     def _stream_parts(self, streams: Optional[int], b: int, tokens: int, device: torch.device) -> int:
         """How many row chunks (streams) a forward of b sequences and `tokens` rows runs as (`forward`'s

@@ -629,8 +629,11 @@ def int8_gemm(
 # A masked key's raw score gets the bits of -2^100 added in place of the conversion's magic number: it becomes a
 # float in [-1.5 * 2^100, -0.75 * 2^100], below every real raw score (|Q_q . K_q^T| <= 2^22), with no select
 # per score; times any score scale above 1e-27 its exponential is 0.
-_MASKED_KEY_BITS = tl.constexpr(-243269632)  # 0xF1800000, float32 -2^100
-_KEY_ATTENDS_BITS = tl.constexpr(0x4B400000)  # float32 1.5 * 2^23, the conversion's magic number
+# The key words (`attention_key_words`) hold one of these two int32 values per key.
+KEY_ATTENDS_WORD = 0x4B400000  # float32 1.5 * 2^23, the conversion's magic number
+KEY_MASKED_WORD = -243269632   # 0xF1800000, float32 -2^100
+_KEY_ATTENDS_BITS = tl.constexpr(KEY_ATTENDS_WORD)
+_MASKED_KEY_BITS = tl.constexpr(KEY_MASKED_WORD)
 _MASKED_ROW_BELOW = tl.constexpr(-1e27)      # a row max this low means the row has no unmasked key
 
 
@@ -820,11 +823,6 @@ def _attention_config(device: torch.device, max_seqlen: int, aligned_starts: boo
     return table["attention_aligned" if aligned_vt else "attention"]
 
 
-# the key words' two values as int32 (the kernel's _KEY_ATTENDS_BITS / _MASKED_KEY_BITS)
-KEY_ATTENDS_WORD = 0x4B400000
-KEY_MASKED_WORD = -243269632
-
-
 def attention_key_words(key_mask: torch.Tensor) -> torch.Tensor:
     """int8 / bool key mask [T] (nonzero = attend) -> the int32 words `int8_attention` adds to each key's raw
     scores: the magic number of the scores' float conversion where the key attends, the bits of -2^100 where it
@@ -975,7 +973,7 @@ def _layernorm_quant_kernel(
 
 def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
                     out_scale: float | torch.Tensor | None, write_fp16: bool, config: tuple | None = None,
-                    embed: tuple | None = None, dequant_fp16: bool = False):
+                    embed: tuple | None = None, dequant_fp16: bool = False, out_fp16: torch.Tensor | None = None):
     """Row LayerNorm of fp16 y [M, N]; returns (fp16 or None, int8 or None). out_scale: a float (per
     tensor), float32 [N] (per column: a smoothing factor folded into the consumer's weight), or None.
     config (rows per program, num_warps, reciprocal) overrides the table (for benchmarks/tune_encoder.py).
@@ -985,9 +983,12 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     NaN row. With gather (int32/int64 [M]) the three index tensors hold S >= 1 tokens and row r is token
     gather[r] (an index outside [0, S) gives a NaN row). dequant_fp16 (per-tensor out_scale, write_fp16 False):
     the fp16 output is fp16(q * s_out), the int8 result dequantized (mode 2's encoder output) instead of the
-    LayerNorm itself."""
+    LayerNorm itself. out_fp16: a contiguous fp16 [M, N] tensor the fp16 output is written into (and returned)
+    instead of a new one (the encoder's split forward: each chunk's rows of the one output)."""
     if dequant_fp16 and (write_fp16 or out_scale is None or isinstance(out_scale, torch.Tensor)):
         raise ValueError("dequant_fp16: needs a per-tensor float out_scale and write_fp16=False")
+    if out_fp16 is not None and not (write_fp16 or dequant_fp16):
+        raise ValueError("out_fp16: given, but neither write_fp16 nor dequant_fp16 asks for an fp16 output")
     # without embed the kernel's embedding arguments are placeholders (gamma; EMBED is off)
     ids = types = positions = type_emb = pos_emb = gamma
     gather = None
@@ -1020,7 +1021,13 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     block_n = next_pow2(n)
     table = _table(y.device)
     rows = max(1, min(16, table["layernorm_rows_budget"] // block_n))
-    out16 = torch.empty((m, n), dtype=torch.float16, device=y.device) if write_fp16 or dequant_fp16 else None
+    if out_fp16 is not None and (out_fp16.dtype != torch.float16 or tuple(out_fp16.shape) != (m, n)
+                                 or not out_fp16.is_contiguous() or out_fp16.device != y.device):
+        raise ValueError(f"out_fp16: expected a contiguous fp16 [{m}, {n}] tensor on {y.device}, got "
+                         f"{out_fp16.dtype} {tuple(out_fp16.shape)} on {out_fp16.device}")
+    out16 = out_fp16
+    if out16 is None and (write_fp16 or dequant_fp16):
+        out16 = torch.empty((m, n), dtype=torch.float16, device=y.device)
     out8 = torch.empty((m, n), dtype=torch.int8, device=y.device) if out_scale is not None else None
     warps = max(1, min(8, rows * block_n // table["layernorm_elements_per_warp"]))
     reciprocal = table["layernorm_reciprocal"]
