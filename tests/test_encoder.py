@@ -615,6 +615,43 @@ def test_layernorm_writes_into_a_given_fp16_output(dequant):
             ke.layernorm_quant(y, gamma, beta, 1e-12, s, False, out_fp16=rows)
 
 
+@pytest.mark.parametrize("dequant", [False, True])
+def test_layernorm_scatters_rows_into_the_padded_output(dequant):
+    """scatter: fp16 row r < T lands in row scatter[r] of the [R, N] output (the packed forward's last LayerNorm
+    restoring the padded batch), bit for bit the unscattered rows, kernel and reference alike; rows r >= T,
+    destinations outside [0, R) and rows nobody writes are left alone; bad scatters are refused before the launch."""
+    m, n, r = 37, 96, 80
+    y = (torch.randn(m, n) * 4 + torch.randn(n)).half()
+    gamma, beta = (torch.rand(n) + 0.5).float(), (torch.randn(n) * 0.1).float()
+    s = enc._f32(4.0 / 127)
+    dest = torch.randperm(r)[:m - 5]
+    dest[3] = r + 2  # out of range: dropped, no write anywhere
+    dest[7] = -1
+    kept = torch.ones(r, dtype=torch.bool)
+    kept[dest[(dest >= 0) & (dest < r)]] = False
+    for backend in ("triton", "reference"):
+        whole = torch.full((r, n), 7.0, dtype=torch.float16)
+        with ops.backend(backend):
+            layernorm = ke.layernorm_quant if backend == "triton" else enc.reference_layernorm_quant
+            fresh16, fresh8 = layernorm(y, gamma, beta, 1e-12, s, not dequant, dequant_fp16=dequant)
+            o16, o8 = layernorm(y, gamma, beta, 1e-12, s, not dequant, dequant_fp16=dequant, out_fp16=whole,
+                                scatter=dest)
+        assert o16.data_ptr() == whole.data_ptr() and torch.equal(o8, fresh8)
+        for i, d in enumerate(dest.tolist()):
+            if 0 <= d < r:
+                assert torch.equal(whole[d], fresh16[i]), (backend, i, d)
+        assert bool((whole[kept] == 7.0).all())
+    with ops.backend("triton"):
+        whole = torch.empty(r, n, dtype=torch.float16)
+        with pytest.raises(ValueError, match="scatter: needs out_fp16"):
+            ke.layernorm_quant(y, gamma, beta, 1e-12, s, True, scatter=dest)
+        for bad in (dest.float(), torch.arange(m + 1), torch.arange(2 * m)[::2], dest[None]):
+            with pytest.raises(ValueError, match="scatter: expected a contiguous int32/int64"):
+                ke.layernorm_quant(y, gamma, beta, 1e-12, s, True, out_fp16=whole, scatter=bad)
+        with pytest.raises(ValueError, match=r"out_fp16: expected a contiguous fp16 \[R, 96\]"):
+            ke.layernorm_quant(y, gamma, beta, 1e-12, s, True, out_fp16=whole[:, :64].contiguous(), scatter=dest)
+
+
 @pytest.mark.parametrize("m,source", [(1, 5), (37, 20), (40, 64)])
 def test_embedding_layernorm_through_a_gather(m, source):
     """The packed path's token selection inside the embedding kernel (row r = token gather[r] of `source`,

@@ -167,12 +167,14 @@ def reference_embedding_sum(word, pos, typ, ids, positions, types):
 
 
 def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=None, dequant_fp16=False,
-                              out_fp16=None):
+                              out_fp16=None, scatter=None):
     """o = (y - mean) / sqrt(var + eps) * gamma + beta per row (float32); fp16 copy if asked; int8
     sat(rne(o' / s_out)) with o' the fp16 copy when written, else o. embed = (input_ids, token_type_ids,
     positions, type_table, pos_table[, gather]): y is the word table and the rows fp16(word[ids] + pos[positions]
     + type[types]), summed in float32 in that order (with gather, row r is token gather[r]). dequant_fp16: the
-    fp16 output is fp16(float(q) * s_out). out_fp16: the fp16 output copied into this tensor, which is returned."""
+    fp16 output is fp16(float(q) * s_out). out_fp16: the fp16 output copied into this tensor, which is returned;
+    with scatter (int [T], T <= M), row r < T of the fp16 output goes to row scatter[r] of out_fp16 (destinations
+    outside its rows dropped) and the rest of out_fp16 is left as it was."""
     if embed is not None:
         ids, types, positions, type_emb, pos_emb = embed[:5]
         if len(embed) == 6:  # row r is token gather[r]
@@ -195,7 +197,13 @@ def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=
         out8 = _quant(o, _f32(out_scale))
     if dequant_fp16:
         out16 = (out8.float() * _f32(out_scale)).to(torch.float16)
-    if out_fp16 is not None:
+    if scatter is not None:
+        rows = out16[:scatter.numel()]
+        dest = scatter.long()
+        ok = (dest >= 0) & (dest < out_fp16.shape[0])
+        out_fp16[dest[ok]] = rows[ok]
+        out16 = out_fp16
+    elif out_fp16 is not None:
         out16 = out_fp16.copy_(out16)
     return out16, out8
 
@@ -604,10 +612,12 @@ class Int8Encoder(torch.nn.Module):
     # -- forward -----------------------------------------------------------------------------------
     def _layers(self, input_ids: Tensor, token_type_ids: Tensor, positions: Tensor, cu_seqlens: Tensor,
                 max_seqlen: int, key_mask: Optional[Tensor], aligned_starts: bool = False,
-                gather: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:
+                gather: Optional[Tensor] = None, out: Optional[Tensor] = None,
+                scatter: Optional[Tensor] = None) -> Tensor:
         """Tokens [T] (ids, token types, positions) -> the last layer's hidden states [T, H] fp16 (written into
         `out`, a contiguous fp16 [T, H], where given). With gather (int64 [T]), token r is entry gather[r] of ids /
-        types / positions (the padded batch's flat tokens)."""
+        types / positions (the padded batch's flat tokens). With scatter (int64 [T'], T' <= T) and out (fp16
+        [R, H]), the last LayerNorm writes token r < T' into row scatter[r] of out, which is returned."""
         ops = _ops_for(self.word_emb)
         mode1 = self.mode == 1
         s_in = self.scales["in"]
@@ -616,7 +626,8 @@ class Int8Encoder(torch.nn.Module):
         embed = (input_ids.contiguous(), token_type_ids.contiguous(), positions.contiguous(), self.token_type,
                  self.pos_emb) + (() if gather is None else (gather,))
         x16, xq = ops.layernorm_quant(self.word_emb, self.emb_ln_w, self.emb_ln_b, self.eps, self.l0_in_cs, mode1,
-                                      embed=embed, out_fp16=out if self.num_layers == 0 else None)
+                                      embed=embed, out_fp16=out if self.num_layers == 0 else None,
+                                      scatter=scatter if self.num_layers == 0 else None)
         t = input_ids.numel() if gather is None else gather.numel()
         if key_mask is not None:
             key_mask = ops.attention_key_words(key_mask)  # once per forward, not per layer
@@ -642,7 +653,8 @@ class Int8Encoder(torch.nn.Module):
                 next_scale = getattr(self, f"l{i + 1}_in_cs")
             # mode 2's output is its last int8 activation dequantized, written by the same kernel
             x16, xq = ops.layernorm_quant(y2, g("ln2_w"), g("ln2_b"), self.eps, next_scale, mode1,
-                                          dequant_fp16=last and not mode1, out_fp16=out if last else None)
+                                          dequant_fp16=last and not mode1, out_fp16=out if last else None,
+                                          scatter=scatter if last else None)
         return x16
 
     def forward_packed(self, input_ids: Tensor, token_type_ids: Tensor, positions: Tensor, cu_seqlens: Tensor,
@@ -712,8 +724,9 @@ class Int8Encoder(torch.nn.Module):
             else:
                 pk = dataclasses.replace(pk, cu_host=tuple(int(v) for v in pk.cu_seqlens.tolist()))
         if parts == 1:
-            out_packed = self._layers(ids, types, positions, pk.cu_seqlens, pk.max_seqlen, None, gather=gather)
-            out[idx] = out_packed[:idx.numel()]
+            # the last LayerNorm writes each token straight into its padded row (no index_put after it)
+            self._layers(ids, types, positions, pk.cu_seqlens, pk.max_seqlen, None, gather=gather, out=out,
+                         scatter=idx)
             return out.view(b, s, self.hidden)
 
         def run_packed(r0, r1):
@@ -723,9 +736,8 @@ class Int8Encoder(torch.nn.Module):
             # the chunk's rows rounded up to _TOKEN_ROUND with position 0, as pack_mask rounds the whole batch (the
             # same kernel specializations: no compilation inside a graph capture)
             gather_c = F.pad(idx[start:end], (0, -(end - start) % _TOKEN_ROUND))
-            y = self._layers(ids, types, positions, pk.cu_seqlens[r0:r1 + 1] - start, _max_length(pk.cu_host, r0, r1),
-                             None, gather=gather_c)
-            out[idx[start:end]] = y[:end - start]
+            self._layers(ids, types, positions, pk.cu_seqlens[r0:r1 + 1] - start, _max_length(pk.cu_host, r0, r1),
+                         None, gather=gather_c, out=out, scatter=idx[start:end])
 
         _in_streams(dev, _row_chunks(b, parts), run_packed)
         return out.view(b, s, self.hidden)

@@ -144,6 +144,25 @@ def test_layernorm_dequant_fp16_full_size():
     u.assert_int8_close(o8, r8)
 
 
+@pytest.mark.parametrize("dequant", [False, True])
+def test_layernorm_scatter_full_size(dequant):
+    # the packed forward's last LayerNorm writing ~half of a 32x128 batch's tokens into the padded output
+    m, n, r = 2160, 768, 4096
+    y = (torch.randn(m, n, device=DEV) * 4).half()
+    gamma, beta = torch.rand(n, device=DEV) + 0.5, torch.randn(n, device=DEV) * 0.1
+    s = enc._f32(4.0 / 127)
+    dest = torch.randperm(r, device=DEV)[:m - 13].sort().values
+    fresh16, fresh8 = ke.layernorm_quant(y, gamma, beta, 1e-12, s, not dequant, dequant_fp16=dequant)
+    whole = torch.full((r, n), 7.0, dtype=torch.float16, device=DEV)
+    o16, o8 = ke.layernorm_quant(y, gamma, beta, 1e-12, s, not dequant, dequant_fp16=dequant, out_fp16=whole,
+                                 scatter=dest)
+    assert o16.data_ptr() == whole.data_ptr() and torch.equal(o8, fresh8)
+    assert torch.equal(whole[dest], fresh16[:m - 13])
+    kept = torch.ones(r, dtype=torch.bool, device=DEV)
+    kept[dest] = False
+    assert bool((whole[kept] == 7.0).all())
+
+
 @pytest.mark.parametrize("m,n", [(1, 768), (4099, 768), (513, 1024), (77, 384)])
 @pytest.mark.parametrize("write_fp16", [True, False])
 def test_layernorm_full_size(m, n, write_fp16):
@@ -173,6 +192,7 @@ def test_encoder_triton_vs_reference_and_padding_removal(bert, mode):
         v = mask.bool()
         assert torch.isfinite(out).all()
         assert torch.equal(out[v], packed[v]), "padding removal differs from the padded path"
+        assert bool((packed[~v] == 0).all()), "padding removal: padded positions must come back as 0"
         cos = torch.nn.functional.cosine_similarity(out[v].float(), ref[v].float(), dim=-1)
         assert float(cos.min()) > 0.999, (seq, float(cos.min()))
         hf = bert(input_ids=ids, attention_mask=mask).last_hidden_state

@@ -280,7 +280,7 @@ def _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn,
     """acc = A_q[tile rows] @ W_q[tile columns]^T in int32. TMA: a_src / w_src are tensor descriptors
     (blocks [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K]; the copy engine zero-fills past M, N and K, so no
     masks and no per-thread addresses); else pointers, with out-of-range rows / columns wrapped onto valid
-    ones (no masks in the main loop; the stores are masked)."""
+    ones, index % M / % N (no masks in the main loop; the stores are masked)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     if TMA:
         for k0 in range(0, K, BLOCK_K):
@@ -291,8 +291,11 @@ def _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn,
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        rm_load = tl.where(rm < M, rm, 0)
-        rn_load = tl.where(rn < N, rn, 0)
+        # past the edge, row M + i loads row i (a distinct line per row): wrapping every such row onto row 0 sent
+        # a partial tile's loads to one L2 line, and the GEMM took up to 1.7x as long whenever M % BLOCK_M != 0
+        # (H100, BERT-base FC2 with the 128x64 tile: 24.6 us at 2208 rows vs 15.3 at 2304)
+        rm_load = rm % M
+        rn_load = rn % N
         a_ptrs = a_src + rm_load[:, None].to(tl.int64) * stride_am + rk[None, :]
         # W is [N, K] row-major: the [BLOCK_K, BLOCK_N] tile is K-contiguous (K-major B operand).
         w_ptrs = w_src + rn_load[None, :].to(tl.int64) * stride_wn + rk[:, None]
@@ -918,7 +921,9 @@ def _layernorm_quant_kernel(
     y_ptr, gamma_ptr, beta_ptr, out16_ptr, out8_ptr,
     M, N, stride_y, out_scale, out_scale_vec_ptr, eps,
     ids_ptr, types_ptr, positions_ptr, type_emb_ptr, pos_emb_ptr, n_word, n_type, n_pos, gather_ptr, n_src,
-    EMBED: tl.constexpr, GATHER: tl.constexpr, WRITE_FP16: tl.constexpr, WRITE_INT8: tl.constexpr,
+    scatter_ptr, n_scatter, n_dest,
+    EMBED: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, WRITE_FP16: tl.constexpr,
+    WRITE_INT8: tl.constexpr,
     DEQUANT_FP16: tl.constexpr, COLUMN_SCALE: tl.constexpr,
     RECIPROCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -927,7 +932,9 @@ def _layernorm_quant_kernel(
     word table), the embedding sum gathered here instead of in three torch gathers, adds and casts. GATHER: row
     r takes token gather[r] of the n_src given (ids, types and positions indexed through it: the packed path's
     tokens picked out of the padded batch here, not by three more gathers); an index outside [0, n_src) gives
-    a NaN row."""
+    a NaN row. SCATTER: the fp16 row r (r < n_scatter) goes to row scatter[r] of the n_dest-row output (the
+    packed path's tokens put back into the padded batch by the last LayerNorm, not by an index_put after it);
+    rows r >= n_scatter and destinations outside [0, n_dest) are not written."""
     grid_dependency_sync(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -956,9 +963,16 @@ def _layernorm_quant_kernel(
     beta = tl.load(beta_ptr + cols, mask=col_ok, other=0.0)
     o = centered * rstd[:, None] * gamma[None, :] + beta[None, :]
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    offs16 = offs
+    mask16 = mask
+    if SCATTER:
+        dest = tl.load(scatter_ptr + rows, mask=rows < n_scatter, other=-1).to(tl.int64)
+        dest_ok = (dest >= 0) & (dest < n_dest)
+        offs16 = tl.where(dest_ok, dest, 0)[:, None] * N + cols[None, :]
+        mask16 = mask & dest_ok[:, None]
     if WRITE_FP16:
         o16 = o.to(tl.float16)
-        tl.store(out16_ptr + offs, o16, mask=mask)
+        tl.store(out16_ptr + offs16, o16, mask=mask16)
         o = o16.to(tl.float32)
     if WRITE_INT8:
         if COLUMN_SCALE:
@@ -968,12 +982,13 @@ def _layernorm_quant_kernel(
             q = to_int8_sat(_requant(o, out_scale, RECIPROCAL))
         tl.store(out8_ptr + offs, q, mask=mask)
         if DEQUANT_FP16:
-            tl.store(out16_ptr + offs, (q.to(tl.float32) * out_scale).to(tl.float16), mask=mask)
+            tl.store(out16_ptr + offs16, (q.to(tl.float32) * out_scale).to(tl.float16), mask=mask16)
 
 
 def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
                     out_scale: float | torch.Tensor | None, write_fp16: bool, config: tuple | None = None,
-                    embed: tuple | None = None, dequant_fp16: bool = False, out_fp16: torch.Tensor | None = None):
+                    embed: tuple | None = None, dequant_fp16: bool = False, out_fp16: torch.Tensor | None = None,
+                    scatter: torch.Tensor | None = None):
     """Row LayerNorm of fp16 y [M, N]; returns (fp16 or None, int8 or None). out_scale: a float (per
     tensor), float32 [N] (per column: a smoothing factor folded into the consumer's weight), or None.
     config (rows per program, num_warps, reciprocal) overrides the table (for benchmarks/tune_encoder.py).
@@ -984,7 +999,10 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     gather[r] (an index outside [0, S) gives a NaN row). dequant_fp16 (per-tensor out_scale, write_fp16 False):
     the fp16 output is fp16(q * s_out), the int8 result dequantized (mode 2's encoder output) instead of the
     LayerNorm itself. out_fp16: a contiguous fp16 [M, N] tensor the fp16 output is written into (and returned)
-    instead of a new one (the encoder's split forward: each chunk's rows of the one output)."""
+    instead of a new one (the encoder's split forward: each chunk's rows of the one output). scatter (int32/int64
+    [T], T <= M, with out_fp16 a contiguous fp16 [R, N]): fp16 row r < T goes to row scatter[r] of out_fp16 (the
+    packed forward's last LayerNorm restoring the padded layout); rows r >= T and destinations outside [0, R) are
+    not written (the int8 output keeps the M input rows)."""
     if dequant_fp16 and (write_fp16 or out_scale is None or isinstance(out_scale, torch.Tensor)):
         raise ValueError("dequant_fp16: needs a per-tensor float out_scale and write_fp16=False")
     if out_fp16 is not None and not (write_fp16 or dequant_fp16):
@@ -1021,9 +1039,19 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
     block_n = next_pow2(n)
     table = _table(y.device)
     rows = max(1, min(16, table["layernorm_rows_budget"] // block_n))
-    if out_fp16 is not None and (out_fp16.dtype != torch.float16 or tuple(out_fp16.shape) != (m, n)
+    if scatter is not None:
+        if out_fp16 is None:
+            raise ValueError("scatter: needs out_fp16 (the [R, N] tensor its rows are written into)")
+        if (scatter.dim() != 1 or scatter.dtype not in (torch.int32, torch.int64) or not scatter.is_contiguous()
+                or scatter.device != y.device or scatter.numel() > m):
+            raise ValueError(f"scatter: expected a contiguous int32/int64 [T] tensor on {y.device} with T <= {m}, "
+                             f"got {scatter.dtype} {tuple(scatter.shape)} on {scatter.device}")
+    # a scattered output has any number of rows R (the padded batch's); else exactly the M rows
+    if out_fp16 is not None and (out_fp16.dtype != torch.float16 or out_fp16.dim() != 2 or out_fp16.shape[1] != n
+                                 or (scatter is None and out_fp16.shape[0] != m)
                                  or not out_fp16.is_contiguous() or out_fp16.device != y.device):
-        raise ValueError(f"out_fp16: expected a contiguous fp16 [{m}, {n}] tensor on {y.device}, got "
+        want = "R" if scatter is not None else m
+        raise ValueError(f"out_fp16: expected a contiguous fp16 [{want}, {n}] tensor on {y.device}, got "
                          f"{out_fp16.dtype} {tuple(out_fp16.shape)} on {out_fp16.device}")
     out16 = out_fp16
     if out16 is None and (write_fp16 or dequant_fp16):
@@ -1039,7 +1067,10 @@ def layernorm_quant(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, ep
         m, n, y.stride(0), 1.0 if column or out_scale is None else float(out_scale),
         out_scale if column else gamma, float(eps), ids, types, positions, type_emb, pos_emb,
         y.shape[0], type_emb.shape[0], pos_emb.shape[0], ids if gather is None else gather, ids.numel(),
-        EMBED=embed is not None, GATHER=gather is not None, WRITE_FP16=write_fp16, WRITE_INT8=out_scale is not None,
+        gamma if scatter is None else scatter, 0 if scatter is None else scatter.numel(),
+        0 if scatter is None else out_fp16.shape[0],
+        EMBED=embed is not None, GATHER=gather is not None, SCATTER=scatter is not None, WRITE_FP16=write_fp16,
+        WRITE_INT8=out_scale is not None,
         DEQUANT_FP16=bool(dequant_fp16), COLUMN_SCALE=column,
         RECIPROCAL=bool(reciprocal), ROWS=rows, BLOCK_N=block_n, PDL=pdl, INTERPRET=INTERPRET,
         num_warps=warps, **pdl_launch_options(pdl),
