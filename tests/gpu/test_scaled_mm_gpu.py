@@ -502,3 +502,29 @@ def test_blockwise_wgmma_cuda_graph_and_compile():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, f(fresh))
+
+
+@pytest.mark.parametrize("dtype", [INT8, FP8])
+@pytest.mark.parametrize("m", [1040, 1100, 2064])
+def test_row_split_default_full_size(monkeypatch, dtype, m):
+    """Rows just past a whole round of tiles at K = 14336 run as two calls by default (kernels.scaled_mm.row_split):
+    int8 bit for bit the one-call result (exact int32 rows), fp8 within the stated bound; CUDA-graph capturable."""
+    k, n = 14336, 4096
+    a, b = _operands(m, k, n, dtype)
+    sa, sb = _scales(m, n)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    splits = []
+    two_calls = kmm._rows_as_two_calls
+    monkeypatch.setattr(kmm, "_rows_as_two_calls", lambda *args: splits.append(args[-1]) or two_calls(*args))
+    out = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+    assert splits == [m // 1024 * 1024]
+    one = kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, bias, None, None, split_rows=0)
+    if dtype == INT8:
+        assert torch.equal(out, one)
+    assert_within_bound(out, a, b, sa, sb, bias)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)

@@ -752,3 +752,43 @@ def test_wave_efficiency_and_int8_rows():
     for m, n in [(1, 4096), (16, 28672), (64, 4096), (256, 4096)]:
         assert kmm._bucket(kmm.CONFIGS["sm90_int8"], m, n) == kmm._bucket(kmm.CONFIGS["sm90"], m, n)
     assert kmm._table_rows(kmm.CONFIGS, torch.device("cpu"), "int8") is kmm.CONFIGS["default"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Row split: an M just past whole rounds of tiles runs as two calls into one output
+# ---------------------------------------------------------------------------------------------------
+def test_row_split_model():
+    """The rule on the H100's numbers: 1040 x 4096 x 14336 splits after the 1024 rows that fill one round of
+    128x128 tiles at two programs per SM; 4096 x 4096 does not pay (a 16-row call streams the weight in about half
+    a round); no split for whole rounds, tails past the decode sizes, M within them, or an unlisted arch."""
+    p2 = kmm.MMConfig(128, 128, 128, 4, 3, tma=True, persistent=2)
+    ws = kmm.WsConfig(128, 256, 4, 8)
+    assert kmm.row_split(1040, 4096, 14336, 1, p2, 132, "sm90") == 1024
+    assert kmm.row_split(1040, 4096, 14336, 1, ws, 132, "sm90") == 1024  # 8 rows of 16 tiles of 256 columns
+    assert kmm.row_split(2064, 4096, 14336, 1, p2, 132, "sm90") == 2048
+    assert kmm.row_split(1280, 4096, 14336, 1, p2, 132, "sm90") == 1024  # a 256-row tail
+    assert kmm.row_split(1040, 4096, 4096, 1, p2, 132, "sm90") == 0
+    assert kmm.row_split(1024, 4096, 14336, 1, p2, 132, "sm90") == 0
+    assert kmm.row_split(1300, 4096, 14336, 1, p2, 132, "sm90") == 0  # 276 rows left: not a decode call
+    assert kmm.row_split(200, 4096, 14336, 1, p2, 132, "sm90") == 0
+    assert kmm.row_split(1040, 4096, 14336, 1, p2, 132, "default") == 0
+    assert kmm.row_split(1040, 40960, 14336, 1, p2, 132, "sm90") == 0  # no row fits a round
+
+
+@pytest.mark.parametrize("dtype,epilogue", [(INT8, "plain"), (INT8, "azp_tensor"), (INT8, "azp_token"), (FP8, "plain")])
+@pytest.mark.parametrize("per_token", [True, False])
+def test_row_split_equals_one_call(triton_backend, dtype, epilogue, per_token):
+    """Forced through split_rows, the two calls write exactly the rows one call writes (each row depends on its own
+    row of a, scale and zero point only), into one output, with padded rows of a; bad splits are refused."""
+    m, n, k = 23, 20, 70
+    a = rand_q((m, k + 6), dtype)[:, 2:2 + k]
+    b = make_b(k, n, dtype, "t")
+    sa, sb, bias = rand_scale(m if per_token else 1, (m, 1) if per_token else None), rand_scale(n), torch.randn(n)
+    azp_adj, azp, _ = make_epilogue(epilogue, a, b)
+    whole = kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, bias, azp_adj, azp, split_rows=0)
+    for rows in (1, 16, 22):
+        split = kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, bias, azp_adj, azp, split_rows=rows)
+        assert torch.equal(split, whole), rows
+    for bad in (-1, m, m + 4):
+        with pytest.raises(ValueError, match="split_rows"):
+            kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, bias, azp_adj, azp, split_rows=bad)

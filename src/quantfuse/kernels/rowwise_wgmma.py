@@ -187,9 +187,11 @@ SMEM_BYTES = 227 * 1024 - 1024  # sm90's per-block shared memory, less the barri
 
 def scaled_mm_ws(a2d: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                  out_dtype: torch.dtype, bias: Optional[torch.Tensor], azp_adj: Optional[torch.Tensor],
-                 azp: Optional[torch.Tensor], config: Optional[WsConfig] = None) -> torch.Tensor:
+                 azp: Optional[torch.Tensor], config: Optional[WsConfig] = None,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Gluon kernel; the caller checked `applies(a2d, b)` and validated the arguments (scaled_mm's contract:
-    contiguous flat scales of numel 1, M or N, int32 azp_adj / azp)."""
+    contiguous flat scales of numel 1, M or N, int32 azp_adj / azp; out, where given, [M, N] of out_dtype with unit
+    column stride)."""
     cfg = config or WsConfig()
     slot_bytes = (cfg.block_m + cfg.block_n) * BLOCK_K
     if cfg.block_m != 128 or cfg.block_n not in (128, 256) or not 2 <= cfg.stages <= SMEM_BYTES // slot_bytes:
@@ -197,7 +199,8 @@ def scaled_mm_ws(a2d: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scal
                          f"128 or 256 and 2 to {SMEM_BYTES // slot_bytes} stages of {slot_bytes} bytes, got {cfg}")
     m, k = a2d.shape
     n = b.shape[1]
-    out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
     if out.numel() == 0:  # a tensor map cannot describe an empty operand
         return out
     a_desc = operand_descriptor(a2d, [cfg.block_m, BLOCK_K])

@@ -29,6 +29,9 @@ Design:
 - sm90 int8 from 1024 rows with K >= 14336 (a WsConfig in the table): the warp-specialized Gluon kernel of
   rowwise_wgmma.py (a copy-engine loader partition, two consumer warpgroups on 128x256 tiles), 1.05-1.16x these
   tiles there; the `tl` kernel stays its twin everywhere else and on the CPU.
+- Row split (`row_split`, GPU): an M a few rows past whole rounds of tiles (1040 = 1024 + 16 at 14336x4096)
+  runs as two calls into one output, the whole rounds and a decode-sized rest, where the model says the rest
+  streams the weight in under half a round (1.1-1.4x there on the H100) instead of a second round of tiles.
 - Configs come from a table per architecture and M bucket (`CONFIGS`), never from a tuning sweep at
   first call. QUANTFUSE_AUTOTUNE=1 opts in to timing the bucket's candidates once per shape.
 - Under the Triton interpreter, fp8 loads cannot take `other=`; the K tail is then zeroed after the load
@@ -233,6 +236,36 @@ BLOCKWISE_SCALE_BLOCK = 128
 
 # Split-K is for weight streaming at decode-like M only.
 SPLIT_K_MAX_M = 256
+
+# Row split (`row_split`): an M just past a whole number of rounds of tiles (e.g. 1040 rows, where 1024 fill the
+# H100's programs once) costs a second round nearly as long as the first. There the launcher runs the rows that
+# fill whole rounds as one call and the few rows left (at most SPLIT_K_MAX_M: a decode-sized call that streams
+# the weight once, split over K) as a second call into the same output, when the model says the second call is
+# shorter than `max_tail_fraction` of a round: a round modelled as 2 * rows * N * K / ops_per_s, the tail as
+# N * K * element_size / bytes_per_s + fixed_s (H100, int8 and fp8, bf16 out: round 1024 x 4096 x 14336 83 us,
+# a 16-row call 28 us; 1024 x 4096 x 4096 31 us against 15 us, which the model leaves whole).
+ROW_SPLIT: Dict[str, Dict[str, float]] = {
+    "sm90": dict(ops_per_s=1.3e15, bytes_per_s=2.5e12, fixed_s=8e-6, max_tail_fraction=0.5),
+}
+
+
+def row_split(m: int, n: int, k: int, element_size: int, cfg, sms: int, arch: str) -> int:
+    """Rows of the first call of a row-split launch (see ROW_SPLIT), or 0 to run the M rows as one call. cfg: the
+    config the whole call would run (its tile and programs per SM set a round)."""
+    rule = ROW_SPLIT.get(arch)
+    if rule is None or m <= SPLIT_K_MAX_M:
+        return 0
+    slots = sms * max(1, getattr(cfg, "persistent", 1) if isinstance(cfg, MMConfig) else 1)
+    round_rows = (slots // cdiv(n, cfg.block_n)) * cfg.block_m  # rows whose tiles fill one round
+    if round_rows == 0 or m < round_rows:
+        return 0
+    main = m // round_rows * round_rows
+    tail = m - main
+    if tail == 0 or tail > SPLIT_K_MAX_M:
+        return 0
+    round_s = 2.0 * round_rows * n * k / rule["ops_per_s"]
+    tail_s = n * k * element_size / rule["bytes_per_s"] + rule["fixed_s"]
+    return main if tail_s < rule["max_tail_fraction"] * round_s else 0
 
 # Under the interpreter every program is a Python loop: small tiles keep the CPU tests fast.
 _INTERPRET_CONFIG = MMConfig(16, 32, 32, 4, 1, group_m=2)
@@ -654,13 +687,19 @@ def scaled_mm(
     azp_adj: Optional[torch.Tensor],
     azp: Optional[torch.Tensor],
     config: Optional[MMConfig] = None,
+    out: Optional[torch.Tensor] = None,
+    split_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """out [M, N] for a2d [M, K] (unit last stride, any row stride) and b [K, N] (any strides).
 
-    scale_a numel 1 or M, scale_b numel 1 or N (float32), bias [N], azp_adj [N] int32, azp numel M int32."""
+    scale_a numel 1 or M, scale_b numel 1 or N (float32), bias [N], azp_adj [N] int32, azp numel M int32.
+    out: an [M, N] tensor of out_dtype with unit column stride to write into (a row split's halves). split_rows:
+    run rows [0, split_rows) and [split_rows, M) as two calls (0: one call; None: `row_split` decides on the
+    GPU, one call elsewhere)."""
     m, k = a2d.shape
     n = b.shape[1]
-    out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
     is_fp8 = a2d.dtype == torch.float8_e4m3fn
     # the kernel indexes the scales as flat vectors: any contiguous shape of numel 1, M or N serves as is
     scale_a = scale_a if scale_a.is_contiguous() else scale_a.contiguous()
@@ -701,7 +740,7 @@ def scaled_mm(
                                  "(a [M, K] and b^T [N, K] K-contiguous with 16-byte aligned rows)")
             from .rowwise_wgmma import scaled_mm_ws  # imported here: it imports this module
 
-            return scaled_mm_ws(a2d, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, cfg)
+            return scaled_mm_ws(a2d, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, cfg, out=out)
         cfg, split, k_per_split, even_k, use_tma, persistent, grid = plan or geometry(cfg)
         ws = dummy
         # the reduce kernel launched early: the split-K kernel signals it at its start
@@ -732,19 +771,46 @@ def scaled_mm(
             _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, True, common, pdl)
         return out
 
+    if split_rows and not 0 < split_rows < m:
+        raise ValueError(f"split_rows: expected 0 or 0 < split_rows < M={m}, got {split_rows}")
     if config is None:
         key = ("mm", a2d.dtype, m, n, k, b.stride(0) == 1, tma_ok, azp_mode, bias is not None, out_dtype)
         if a2d.is_cuda and not _autotune_enabled():
             plan_key = key + (a2d.device.index,)
             plan = _PLANS.get(plan_key)
-            if plan is None:
-                plan = geometry(_pick_config(CONFIGS, m, n, k, a2d.device, key, launch,
-                                             None if is_fp8 else "int8", tma_ok, ws_ok()))
+            if plan is None:  # (geometry of the whole call, rows of a row split's first call or 0)
+                cfg = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch, None if is_fp8 else "int8", tma_ok,
+                                   ws_ok())
+                plan = (geometry(cfg), row_split(m, n, k, a2d.element_size(), cfg, sm_count(a2d.device),
+                                                 arch_key(a2d.device.type, a2d.device.index)))
                 remember_plan(_PLANS, plan_key, plan)
-            return launch(plan[0], plan)
+            whole, rows = plan
+            if split_rows is None:
+                split_rows = rows
+            if not split_rows:
+                return launch(whole[0], whole)
+    if split_rows:
+        return _rows_as_two_calls(a2d, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, config, out,
+                                  split_rows)
+    if config is None:
         config = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch, None if is_fp8 else "int8", tma_ok,
                               ws_ok())
     return launch(config)
+
+
+def _rows_as_two_calls(a2d, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, config, out, rows):
+    """`scaled_mm` of rows [0, rows) and [rows, M) as two calls writing their rows of `out` (row_split): every
+    output row is computed from its own row of a, its scale and zero point only, so the halves are the rows of
+    the whole (int8 bit for bit; fp8 up to the accumulation order of the tail's tile)."""
+    m = a2d.shape[0]
+
+    def part(t, r0, r1):  # a per-row vector's rows (numel M), or the per-tensor value as it is
+        return t if t is None or t.numel() != m or m == 1 else t.reshape(-1)[r0:r1]
+
+    for r0, r1 in ((0, rows), (rows, m)):
+        scaled_mm(a2d[r0:r1], b, part(scale_a, r0, r1), scale_b, out_dtype, bias, azp_adj, part(azp, r0, r1),
+                  config, out=out[r0:r1], split_rows=0)
+    return out
 
 
 def _launch_reduce(ws, out, scale_a, scale_b, bias, azp_adj, azp, dummy, split, apply_scales, common, pdl=False):
