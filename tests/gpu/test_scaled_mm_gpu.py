@@ -528,3 +528,28 @@ def test_row_split_default_full_size(monkeypatch, dtype, m):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+@needs_wgmma
+@pytest.mark.parametrize("transposed_scales", [False, True])
+def test_blockwise_row_split_default_full_size(monkeypatch, transposed_scales):
+    """Blockwise rows just past whole rounds (1040 at 14336x4096: rounds of 512 rows for one 128x128 program per SM)
+    run as the Gluon kernel on 1024 rows and a 16-row decode call: within the blockwise bound, CUDA-graph capturable."""
+    m, k, n = 1040, 14336, 4096
+    spy = _spy_wgmma(monkeypatch)
+    a, b, sa, sb = _block_operands(m, k, n, transposed_scales)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    out32 = qf.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
+    assert len(spy.calls) == 1
+    want = ref.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
+    rel = float((out32 - want).abs().mean() / want.abs().mean())
+    print(f"row-split blockwise mean rel error {rel:.3g}")
+    assert rel < 1e-3
+    one = kmm.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias, split_rows=0)
+    assert torch.equal(out32[:1024], one[:1024])  # the first call is the one call's first rows
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = qf.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out32)

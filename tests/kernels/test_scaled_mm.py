@@ -759,10 +759,21 @@ def test_wave_efficiency_and_int8_rows():
 # ---------------------------------------------------------------------------------------------------
 def test_row_split_model():
     """The rule on the H100's numbers: 1040 x 4096 x 14336 splits after the 1024 rows that fill one round of
-    128x128 tiles at two programs per SM; 4096 x 4096 does not pay (a 16-row call streams the weight in about half
-    a round); no split for whole rounds, tails past the decode sizes, M within them, or an unlisted arch."""
+    128x128 tiles at two programs per SM; 4096 x 4096 does not pay (a 16-row call streams the weight in about the
+    time of the extra round); one program per SM makes the extra round a whole tile's time (28672 x 8192 splits
+    there, not with two per SM); no split for whole rounds, tails past the decode sizes, M within them, or an
+    unlisted arch."""
     p2 = kmm.MMConfig(128, 128, 128, 4, 3, tma=True, persistent=2)
     ws = kmm.WsConfig(128, 256, 4, 8)
+    assert kmm.row_split(1040, 8192, 28672, 1, p2, 132, "sm90") == 0
+    assert kmm.row_split(1040, 8192, 28672, 1, ws, 132, "sm90") == 1024  # rounds of 512 rows
+    # blockwise: slower decode-sized calls, so a 256-row rest stays in the one call (measured 73 us against 53)
+    from quantfuse.kernels.blockwise_wgmma import WgmmaConfig
+    bw_ws = WgmmaConfig(128, 128, 8, 4, 8, 1)
+    assert kmm.row_split(1040, 4096, 14336, 1, bw_ws, 132, "sm90", "blockwise") == 1024
+    assert kmm.row_split(2064, 4096, 14336, 1, bw_ws, 132, "sm90", "blockwise") == 2048
+    assert kmm.row_split(1280, 4096, 14336, 1, bw_ws, 132, "sm90", "blockwise") == 0
+    assert kmm.row_split(1040, 4096, 4096, 1, bw_ws, 132, "sm90", "blockwise") == 0
     assert kmm.row_split(1040, 4096, 14336, 1, p2, 132, "sm90") == 1024
     assert kmm.row_split(1040, 4096, 14336, 1, ws, 132, "sm90") == 1024  # 8 rows of 16 tiles of 256 columns
     assert kmm.row_split(2064, 4096, 14336, 1, p2, 132, "sm90") == 2048
@@ -792,3 +803,17 @@ def test_row_split_equals_one_call(triton_backend, dtype, epilogue, per_token):
     for bad in (-1, m, m + 4):
         with pytest.raises(ValueError, match="split_rows"):
             kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, bias, azp_adj, azp, split_rows=bad)
+
+
+@pytest.mark.parametrize("scale_layout", ["row", "transposed"])
+def test_blockwise_row_split_equals_one_call(triton_backend, scale_layout):
+    """scaled_mm_blockwise through split_rows: the two calls write exactly the rows of one call (row slices of
+    either scale layout), into one output; bad splits are refused."""
+    m, k, n = 21, 300, 200
+    a, b, sa, sb = blockwise_inputs(m, k, n, scale_layout)
+    bias = torch.randn(n) * 0.1
+    whole = kmm.scaled_mm_blockwise(a, b, sa, sb, torch.bfloat16, bias, split_rows=0)
+    for rows in (1, 16, 20):
+        assert torch.equal(kmm.scaled_mm_blockwise(a, b, sa, sb, torch.bfloat16, bias, split_rows=rows), whole), rows
+    with pytest.raises(ValueError, match="split_rows"):
+        kmm.scaled_mm_blockwise(a, b, sa, sb, torch.bfloat16, bias, split_rows=m)

@@ -484,8 +484,10 @@ def scaled_mm_blockwise_wgmma(
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor],
     config: Optional[WgmmaConfig] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The Gluon blockwise GEMM; the caller checked `applies(a2d, b)` and validated the arguments."""
+    """The Gluon blockwise GEMM; the caller checked `applies(a2d, b)` and validated the arguments; out, where
+    given, is [M, N] of out_dtype with unit column stride."""
     m, k = a2d.shape
     n = b.shape[1]
     cfg = config or pick_config(m, n, a2d.device)
@@ -494,7 +496,8 @@ def scaled_mm_blockwise_wgmma(
     if cfg.specialized and (cfg.block_m != 128 or cfg.num_warps != 8 or _aggregate is None):
         raise ValueError(f"config: the warp-specialized kernel takes block_m 128 and num_warps 8 (two consumer "
                          f"warpgroups) on a Triton with aggregates, got {cfg}")
-    out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
     a_desc = operand_descriptor(a2d, [cfg.block_m, SCALE_BLOCK])
     b_desc = operand_descriptor(b.t(), [cfg.block_n, SCALE_BLOCK])
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)

@@ -238,34 +238,41 @@ BLOCKWISE_SCALE_BLOCK = 128
 SPLIT_K_MAX_M = 256
 
 # Row split (`row_split`): an M just past a whole number of rounds of tiles (e.g. 1040 rows, where 1024 fill the
-# H100's programs once) costs a second round nearly as long as the first. There the launcher runs the rows that
-# fill whole rounds as one call and the few rows left (at most SPLIT_K_MAX_M: a decode-sized call that streams
-# the weight once, split over K) as a second call into the same output, when the model says the second call is
-# shorter than `max_tail_fraction` of a round: a round modelled as 2 * rows * N * K / ops_per_s, the tail as
-# N * K * element_size / bytes_per_s + fixed_s (H100, int8 and fp8, bf16 out: round 1024 x 4096 x 14336 83 us,
-# a 16-row call 28 us; 1024 x 4096 x 4096 31 us against 15 us, which the model leaves whole).
-ROW_SPLIT: Dict[str, Dict[str, float]] = {
-    "sm90": dict(ops_per_s=1.3e15, bytes_per_s=2.5e12, fixed_s=8e-6, max_tail_fraction=0.5),
+# H100's programs once) pays for one more, part-filled round. There the launcher runs the rows that fill whole
+# rounds as one call and the few rows left (at most SPLIT_K_MAX_M: a decode-sized call that streams the weight
+# once, split over K) as a second call into the same output, when the model says the second call is shorter
+# than `max_tail_fraction` of that extra round: a round of programs_per_sm tiles per SM modelled as
+# 2 * rows * N * K / ops_per_s, the extra round (few tiles, one per SM) as a round / programs_per_sm, the tail as
+# the longer of streaming the weight (N * K * element_size / bytes_per_s) and its products (2 * rows * N * K at the
+# family's decode rate, tail_ops_per_s) plus fixed_s. H100, bf16 out (results/tune_scaled_mm_row_split.json):
+# rowwise int8 / fp8 with 128x128 tiles two per SM, whole rounds of 1024 x 4096 x 14336 83 us, 1040 rows 158 us, a
+# 16-row call 28 us, at 4096 x 4096 32 / 48 / 15 us (left whole); blockwise (one 128x128 program per SM, rounds of
+# 512 rows) at 14336 x 4096: 109 / 162 us, rests of 16 / 76 / 256 rows 30 / 50 / 73 us (the last left whole).
+ROW_SPLIT: Dict[str, Dict[str, object]] = {
+    "sm90": dict(ops_per_s=1.3e15, bytes_per_s=2.5e12, fixed_s=8e-6, max_tail_fraction=0.9,
+                 tail_ops_per_s={"rowwise": 1.3e15, "blockwise": 3e14}),
 }
 
 
-def row_split(m: int, n: int, k: int, element_size: int, cfg, sms: int, arch: str) -> int:
+def row_split(m: int, n: int, k: int, element_size: int, cfg, sms: int, arch: str, family: str = "rowwise") -> int:
     """Rows of the first call of a row-split launch (see ROW_SPLIT), or 0 to run the M rows as one call. cfg: the
-    config the whole call would run (its tile and programs per SM set a round)."""
+    config the whole call would run (its tile and programs per SM set a round); family: "rowwise" (scaled_mm) or
+    "blockwise" (scaled_mm_blockwise), whose decode-sized calls differ in speed."""
     rule = ROW_SPLIT.get(arch)
     if rule is None or m <= SPLIT_K_MAX_M:
         return 0
-    slots = sms * max(1, getattr(cfg, "persistent", 1) if isinstance(cfg, MMConfig) else 1)
-    round_rows = (slots // cdiv(n, cfg.block_n)) * cfg.block_m  # rows whose tiles fill one round
+    per_sm = max(1, cfg.persistent) if isinstance(cfg, MMConfig) else 1  # the Gluon kernels: one program per SM
+    round_rows = (sms * per_sm // cdiv(n, cfg.block_n)) * cfg.block_m  # rows whose tiles fill one round
     if round_rows == 0 or m < round_rows:
         return 0
     main = m // round_rows * round_rows
     tail = m - main
     if tail == 0 or tail > SPLIT_K_MAX_M:
         return 0
-    round_s = 2.0 * round_rows * n * k / rule["ops_per_s"]
-    tail_s = n * k * element_size / rule["bytes_per_s"] + rule["fixed_s"]
-    return main if tail_s < rule["max_tail_fraction"] * round_s else 0
+    extra_round_s = 2.0 * round_rows * n * k / rule["ops_per_s"] / per_sm
+    tail_s = max(n * k * element_size / rule["bytes_per_s"],
+                 2.0 * tail * n * k / rule["tail_ops_per_s"][family]) + rule["fixed_s"]
+    return main if tail_s < rule["max_tail_fraction"] * extra_round_s else 0
 
 # Under the interpreter every program is a Python loop: small tiles keep the CPU tests fast.
 _INTERPRET_CONFIG = MMConfig(16, 32, 32, 4, 1, group_m=2)
@@ -864,20 +871,41 @@ def scaled_mm_blockwise(
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor],
     config: Optional[Union[MMConfig, "WgmmaConfig"]] = None,
+    out: Optional[torch.Tensor] = None,
+    split_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """Block-scaled fp8: scale_a [M, ceil(K/128)] (any strides), scale_b [ceil(K/128), ceil(N/128)].
+    out / split_rows as in `scaled_mm` (row_split decides on the GPU where split_rows is None).
     On sm90 with describable operands and M past the decode sizes the Gluon kernel runs
     (blockwise_wgmma: asynchronous wgmma with lagged promotion; `config` may be a WgmmaConfig for it),
     elsewhere this module's `tl` kernel (`config` an MMConfig)."""
     from . import blockwise_wgmma as bw
 
-    if isinstance(config, bw.WgmmaConfig) or (config is None and bw.applies(a2d, b)):
-        if not bw.applies(a2d, b, any_m=True):
-            raise ValueError("config: a WgmmaConfig needs sm90, Gluon and describable fp8 e4m3 operands")
-        return bw.scaled_mm_blockwise_wgmma(a2d, b, scale_a, scale_b, out_dtype, bias, config)
     m, k = a2d.shape
     n = b.shape[1]
-    out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a2d.device)
+    if split_rows and not 0 < split_rows < m:
+        raise ValueError(f"split_rows: expected 0 or 0 < split_rows < M={m}, got {split_rows}")
+    gluon = isinstance(config, bw.WgmmaConfig) or (config is None and bw.applies(a2d, b))
+    if split_rows is None and config is None and a2d.is_cuda and not _autotune_enabled():
+        key = ("blockwise_rows", m, n, k, gluon, a2d.device.index)
+        split_rows = _PLANS.get(key)
+        if split_rows is None:
+            cfg = (bw.pick_config(m, n, a2d.device) if gluon else
+                   _pick_config(BLOCKWISE_CONFIGS, m, n, k, a2d.device, key, None))
+            split_rows = row_split(m, n, k, 1, cfg, sm_count(a2d.device), arch_key(a2d.device.type, a2d.device.index),
+                                   "blockwise")
+            remember_plan(_PLANS, key, split_rows)
+    if split_rows:
+        for r0, r1 in ((0, split_rows), (split_rows, m)):  # rows are independent (see _rows_as_two_calls)
+            scaled_mm_blockwise(a2d[r0:r1], b, scale_a[r0:r1], scale_b, out_dtype, bias, config, out=out[r0:r1],
+                                split_rows=0)
+        return out
+    if gluon:
+        if not bw.applies(a2d, b, any_m=True):
+            raise ValueError("config: a WgmmaConfig needs sm90, Gluon and describable fp8 e4m3 operands")
+        return bw.scaled_mm_blockwise_wgmma(a2d, b, scale_a, scale_b, out_dtype, bias, config, out=out)
     dummy = out
 
     def launch(cfg: MMConfig) -> torch.Tensor:
