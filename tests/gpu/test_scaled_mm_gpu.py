@@ -369,11 +369,9 @@ def _spy_wgmma(monkeypatch, name=_DEFAULT_WGMMA):
     return spy
 
 
-# K steps: 1 (odd, no loop), 2 (one pair), 27 with a K tail (3424 = 26 * 128 + 96), 112; M and N off the tiles
-@needs_wgmma
-@pytest.mark.parametrize("m,k,n", [(257, 128, 256), (300, 256, 384), (1000, 3424, 1000), (513, 14336, 4096), (4096, 4096, 6144)])
-@pytest.mark.parametrize("transposed_scales", [False, True])
-def test_blockwise_wgmma_default(monkeypatch, m, k, n, transposed_scales):
+def _default_blockwise_checked(monkeypatch, m, k, n, transposed_scales):
+    """qf.scaled_mm_blockwise as dispatched, float32 out: one launch of the sm90 table's Gluon kernel and the
+    blockwise bound (mean relative error < 1e-3). Returns (a, b, scale_a, scale_b, bias, out, reference)."""
     spy = _spy_wgmma(monkeypatch)
     a, b, sa, sb = _block_operands(m, k, n, transposed_scales)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
@@ -381,8 +379,27 @@ def test_blockwise_wgmma_default(monkeypatch, m, k, n, transposed_scales):
     assert len(spy.calls) == 1
     want = ref.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
     rel = float((out32 - want).abs().mean() / want.abs().mean())
-    print(f"wgmma blockwise mean rel error {rel:.3g}")
+    print(f"{m}x{k}x{n} blockwise mean rel error {rel:.3g}")
     assert rel < 1e-3
+    return a, b, sa, sb, bias, out32, want
+
+
+def _graph_replayed(fn):
+    """fn() captured in a CUDA graph and replayed once: its output."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+# K steps: 1 (odd, no loop), 2 (one pair), 27 with a K tail (3424 = 26 * 128 + 96), 112; M and N off the tiles
+@needs_wgmma
+@pytest.mark.parametrize("m,k,n", [(257, 128, 256), (300, 256, 384), (1000, 3424, 1000), (513, 14336, 4096), (4096, 4096, 6144)])
+@pytest.mark.parametrize("transposed_scales", [False, True])
+def test_blockwise_wgmma_default(monkeypatch, m, k, n, transposed_scales):
+    a, b, sa, sb, bias, out32, want = _default_blockwise_checked(monkeypatch, m, k, n, transposed_scales)
     # the tl kernel (variant 2: the same per-step rounding) agrees to the tensor cores' accumulation order
     tl_out = kmm.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias, kmm.MMConfig(64, 128, 128, 4, 3, variant=2))
     assert float((out32 - tl_out).abs().mean() / want.abs().mean()) < 1e-4
@@ -522,12 +539,7 @@ def test_row_split_default_full_size(monkeypatch, dtype, m):
     if dtype == INT8:
         assert torch.equal(out, one)
     assert_within_bound(out, a, b, sa, sb, bias)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, out)
+    assert torch.equal(_graph_replayed(lambda: qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)), out)
 
 
 @needs_wgmma
@@ -535,21 +547,7 @@ def test_row_split_default_full_size(monkeypatch, dtype, m):
 def test_blockwise_row_split_default_full_size(monkeypatch, transposed_scales):
     """Blockwise rows just past whole rounds (1040 at 14336x4096: rounds of 512 rows for one 128x128 program per SM)
     run as the Gluon kernel on 1024 rows and a 16-row decode call: within the blockwise bound, CUDA-graph capturable."""
-    m, k, n = 1040, 14336, 4096
-    spy = _spy_wgmma(monkeypatch)
-    a, b, sa, sb = _block_operands(m, k, n, transposed_scales)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    out32 = qf.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
-    assert len(spy.calls) == 1
-    want = ref.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
-    rel = float((out32 - want).abs().mean() / want.abs().mean())
-    print(f"row-split blockwise mean rel error {rel:.3g}")
-    assert rel < 1e-3
+    a, b, sa, sb, bias, out32, _ = _default_blockwise_checked(monkeypatch, 1040, 14336, 4096, transposed_scales)
     one = kmm.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias, split_rows=0)
     assert torch.equal(out32[:1024], one[:1024])  # the first call is the one call's first rows
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = qf.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, out32)
+    assert torch.equal(_graph_replayed(lambda: qf.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)), out32)
