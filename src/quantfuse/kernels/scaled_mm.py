@@ -29,9 +29,10 @@ Design:
 - sm90 int8 from 1024 rows with K >= 14336 (a WsConfig in the table): the warp-specialized Gluon kernel of
   rowwise_wgmma.py (a copy-engine loader partition, two consumer warpgroups on 128x256 tiles), 1.05-1.16x these
   tiles there; the `tl` kernel stays its twin everywhere else and on the CPU.
-- Row split (`row_split`, GPU): an M a few rows past whole rounds of tiles (1040 = 1024 + 16 at 14336x4096)
-  runs as two calls into one output, the whole rounds and a decode-sized rest, where the model says the rest
-  streams the weight in under half a round (1.1-1.4x there on the H100) instead of a second round of tiles.
+- Row split (`row_split`, GPU; scaled_mm and scaled_mm_blockwise): an M a few rows past whole rounds of tiles
+  (1040 = 1024 + 16 at 14336x4096) runs as two calls into one output, the whole rounds and a decode-sized rest,
+  where the model (ROW_SPLIT) says the rest is shorter than the extra, part-filled round of tiles it replaces
+  (1.1-1.4x there on the H100).
 - Configs come from a table per architecture and M bucket (`CONFIGS`), never from a tuning sweep at
   first call. QUANTFUSE_AUTOTUNE=1 opts in to timing the bucket's candidates once per shape.
 - Under the Triton interpreter, fp8 loads cannot take `other=`; the K tail is then zeroed after the load
