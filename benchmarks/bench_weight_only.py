@@ -35,6 +35,7 @@ from quantfuse.kernels import gemv_mma as gm  # noqa: E402
 from quantfuse.kernels import gemv_tma as gt  # noqa: E402
 from quantfuse.kernels import weight_only as kw  # noqa: E402
 from quantfuse.kernels import weight_only_wgmma as ww  # noqa: E402
+from quantfuse.kernels import weight_only_ws as wws  # noqa: E402
 from quantfuse.weights import QuantizedWeight  # noqa: E402
 
 # float32 scales: what quantize_ gives by default; BENCH_SCALE_DTYPE=bfloat16 measures the packed conversion
@@ -127,6 +128,9 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
     dev = torch.device("cuda")
     table = kw._table(dev)
     sm90_gluon = gt.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
+    if bits == 4 and sm90_gluon and wws.prefer(m, n, k, "sm90", SCALE_DTYPE == BF16, kw._num_sms(dev)):
+        tail = wws.tail_plan(m, n, k, "sm90", kw._num_sms(dev))  # what ws_w4_mm runs
+        return "gluon ws 256x128" + ("" if tail is None else f" tail {tail[1].main_tiles_n}+{tail[1].splits}way")
     if bits == 4 and sm90_gluon and ww.prefer(m, n, k, "sm90", SCALE_DTYPE == BF16):  # group 128: applies
         cfg, splits, tail = ww.plan(m, n, k, "sm90", kw._num_sms(dev))  # what wgmma_w4_mm runs
         return (f"gluon wgmma {cfg.block_m}x{cfg.block_n} splitK={splits}"

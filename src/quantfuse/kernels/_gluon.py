@@ -13,7 +13,7 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import (
-        mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     # a CTA-wide barrier (bar.sync): gl.thread_barrier in Triton 3.6, gl.barrier in later releases
@@ -33,7 +33,7 @@ WS_MAXNREG = 168
 __all__ = ["GLUON_AVAILABLE", "sm90_exactly", "WS_CONSUMER_REGS", "WS_MAXNREG"]
 if GLUON_AVAILABLE:
     __all__ += ["gluon", "gl", "mbarrier", "mma_v2", "tma", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait",
-                "TensorDescriptor", "cta_barrier", "tma_load", "tile_coords", "signal_dependents", "ring_load",
+                "TensorDescriptor", "cta_barrier", "fence_async_shared", "tma_load", "tile_coords", "signal_dependents", "ring_load",
                 "fill_tiles", "grid_dependency_sync", "operand_descriptor"]
 
     _GL_DTYPES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv, torch.float16: gl.float16,

@@ -66,6 +66,9 @@ Kernels:
   chunk's product first); `weight_only_mm` runs it where `weight_only_wgmma.prefer` says (M = 129..1024, from
   768 on only weights of 32M codes or more; up to 2048 with 16-bit scales), ahead of the tl wide tiles and of
   dequantize + cuBLAS there.
+- `weight_only_ws` (Gluon, sm90, int4, M >= 256): the conversion in a producer warpgroup of its own, feeding
+  shared-memory wgmma in two consumer warpgroups; `weight_only_mm` runs it where `weight_only_ws.prefer` says
+  (16-bit scales, M = 1024..2048), ahead of the register-operand kernel and of dequantize + cuBLAS there.
 - `_dequant_kernel` writes w_hat [N, K] (for `QuantizedWeight.dequantize` and for large M, where
   dequantize-once + cuBLAS can beat the fused kernel; the crossover is data in `_DISPATCH`).
 Launchers assume the arguments were validated by `quantfuse.ops`.
@@ -79,7 +82,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import gemv_mma, gemv_tma, weight_only_wgmma
+from . import gemv_mma, gemv_tma, weight_only_wgmma, weight_only_ws
 from ._common import INTERPRET, cast_to, cdiv, grid_dependency_sync, launch_kernel, next_pow2, pdl_launch_options
 from .configs import arch_key, decode_pdl, sm_count
 
@@ -1170,12 +1173,19 @@ def runs_wide(tile: dict, scale_code: int) -> bool:
 
 
 def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int) -> torch.Tensor:
-    """Dispatch by M: the fused kernel (split-K for decode, tiled for larger M), the Gluon wgmma kernel where
-    `weight_only_wgmma.prefer` says so (int4, sm90, prefill-sized M), or for M at least `cublas_min_m`
+    """Dispatch by M: the fused kernel (split-K for decode, tiled for larger M), the Gluon warp-specialized or
+    wgmma kernel where `weight_only_ws.prefer` / `weight_only_wgmma.prefer` say so (int4, sm90, prefill-sized M),
+    or for M at least `cublas_min_m`
     dequantize once and call cuBLAS (measured faster there; see bench_weight_only.py)."""
     m, k = x2d.shape
     # the shape rule first: decode calls skip the scope checks (descriptor strides, device capability)
-    if weight_only_wgmma.prefer(m, n, k, arch_key(x2d.device.type, x2d.device.index), scales.dtype == x2d.dtype) \
+    arch = arch_key(x2d.device.type, x2d.device.index)
+    scale16 = scales.dtype == x2d.dtype
+    if scale16 and x2d.is_cuda and weight_only_ws.prefer(m, n, k, arch, scale16, _num_sms(x2d.device)) \
+            and weight_only_ws.applies(x2d, qweight, scales, bits, group_size, zeros):
+        return weight_only_ws.ws_w4_mm(x2d, qweight, scales, zeros, bias, group_size, n,
+                                       tail=weight_only_ws.tail_plan(m, n, k, arch, _num_sms(x2d.device)))
+    if weight_only_wgmma.prefer(m, n, k, arch, scale16) \
             and weight_only_wgmma.applies(x2d, qweight, scales, bits, group_size):
         return weight_only_wgmma.wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size, n)
     if x2d.is_cuda and m >= _table(x2d.device)["cublas_min_m"]:

@@ -427,6 +427,44 @@ def _check_tail(tail: TailSplit, n: int, k: int, cfg: WgmmaW4Config) -> None:
                          f"rows and 2 <= splits <= {cdiv(k, CHUNK)} chunks, got {tail}")
 
 
+def _launch(x_desc, qweight, scales, zeros, bias, dst, m: int, n: int, k: int, group_size: int,
+            cfg: WgmmaW4Config, n_first: int, n_count: int, ways: int) -> None:
+    """Weight rows n_first .. n_first + n_count (n_first a multiple of block_n) into dst: out itself (ways 1, bias
+    added) or float32 partials [ways, M, n_count] of K split `ways` ways in whole chunks."""
+    total = cdiv(k, CHUNK)
+    split = ways > 1
+    has_bias = bias is not None and not split
+    group_chunk_shift = 30 if scales.shape[0] == 1 else (group_size // CHUNK).bit_length() - 1
+    launch_kernel(_wo_wgmma_kernel, (cdiv(m, cfg.block_m) * cdiv(n_count, cfg.block_n), ways),
+        x_desc, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales, dst,
+        m, n, k, qweight.stride(0), dst.stride(-2), cdiv(total, ways), group_chunk_shift, n_first // cfg.block_n,
+        n_count,
+        HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, SPLIT=split, SCALE16=scales.dtype == x_desc.base.dtype,
+        STAGES=cfg.stages, GROUP=cfg.group, num_warps=cfg.num_warps,
+    )
+
+
+def _ways(k: int, wanted: int) -> int:
+    """K splits of whole chunks: as many as `wanted` allows evenly."""
+    total = cdiv(k, CHUNK)
+    return cdiv(total, cdiv(total, max(1, min(wanted, total))))
+
+
+def run_tail(out, x2d, qweight, scales, zeros, bias, group_size: int, n: int, cfg: WgmmaW4Config,
+             tail: "TailSplit") -> None:
+    """`tail`'s columns (weight rows from tail.main_tiles_n x block_n on) of out = x2d @ w_hat.T (+ bias), split
+    over K and reduced: the second launch of a tail split, whichever kernel ran the first."""
+    from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
+
+    m, k = x2d.shape
+    n_main = tail.main_tiles_n * cfg.block_n
+    ways = _ways(k, tail.splits)
+    part = torch.empty((ways, m, n - n_main), dtype=torch.float32, device=x2d.device)
+    _launch(_x_descriptor(x2d, cfg.block_m), qweight, scales, zeros, bias, part, m, n, k, group_size, cfg, n_main,
+            n - n_main, ways)
+    splitk_reduce(part, None if bias is None else bias[n_main:], out[:, n_main:])
+
+
 def wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
                 config: Optional[WgmmaW4Config] = None, splits: Optional[int] = None,
                 tail: Optional[TailSplit] = None) -> torch.Tensor:
@@ -451,36 +489,14 @@ def wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
         _check_tail(tail, n, k, cfg)
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
     x_desc = _x_descriptor(x2d, cfg.block_m)
-    group_chunk_shift = 30 if scales.shape[0] == 1 else (group_size // CHUNK).bit_length() - 1
-    total = cdiv(k, CHUNK)
-
-    def ways_of(wanted: int) -> int:  # K splits of whole chunks: as many as `wanted` allows evenly
-        return cdiv(total, cdiv(total, max(1, min(wanted, total))))
-
-    def launch(dst, n_first: int, n_count: int, ways: int) -> None:
-        """Weight rows n_first .. n_first + n_count (n_first a multiple of block_n) into dst: out itself (ways 1,
-        bias added) or float32 partials [ways, M, n_count]."""
-        split = ways > 1
-        has_bias = bias is not None and not split
-        launch_kernel(_wo_wgmma_kernel, (cdiv(m, cfg.block_m) * cdiv(n_count, cfg.block_n), ways),
-            x_desc, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales, dst,
-            m, n, k, qweight.stride(0), dst.stride(-2), cdiv(total, ways), group_chunk_shift, n_first // cfg.block_n,
-            n_count,
-            HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, SPLIT=split, SCALE16=scales.dtype == x2d.dtype,
-            STAGES=cfg.stages, GROUP=cfg.group, num_warps=cfg.num_warps,
-        )
-
     n_main = n if tail is None else tail.main_tiles_n * cfg.block_n
-    ways = ways_of(splits) if tail is None else 1
+    ways = _ways(k, splits) if tail is None else 1
     if ways == 1:
-        launch(out, 0, n_main, 1)
+        _launch(x_desc, qweight, scales, zeros, bias, out, m, n, k, group_size, cfg, 0, n_main, 1)
     else:
         part = torch.empty((ways, m, n), dtype=torch.float32, device=x2d.device)
-        launch(part, 0, n, ways)
+        _launch(x_desc, qweight, scales, zeros, bias, part, m, n, k, group_size, cfg, 0, n, ways)
         splitk_reduce(part, bias, out)
     if tail is not None:
-        tail_ways = ways_of(tail.splits)
-        part = torch.empty((tail_ways, m, n - n_main), dtype=torch.float32, device=x2d.device)
-        launch(part, n_main, n - n_main, tail_ways)
-        splitk_reduce(part, None if bias is None else bias[n_main:], out[:, n_main:])
+        run_tail(out, x2d, qweight, scales, zeros, bias, group_size, n, cfg, tail)
     return out
