@@ -32,8 +32,11 @@ shipped form, 0.72-0.88x (float32 scales). So the producer's instruction stream 
 The packed conversion of 16-bit scales (1.5 instructions per weight) keeps the producer ahead of float32 scales'
 (3.5: OR, subtract, multiply, half a pack). Same run as the table (results/tune_weight_only_ws.json, W4A16 g128,
 five Llama-3 shapes, CUDA graphs, weights rotated past L2): with bfloat16 scales 1.02-1.08x `weight_only_wgmma`
-at M = 1024, 1.00-1.06x at 1536, 0.99-1.04x at 2048; with float32 scales 0.89-1.03x (level at best), so `prefer`
-takes 16-bit scales only.
+at M = 1024, 1.00-1.06x at 1536, 0.99-1.04x at 2048 (minimum of two rounds each); with float32 scales 0.89-1.03x
+(level at best), so `prefer` takes 16-bit scales only. Through bench_weight_only.py's harness (median of three
+rounds; results/tune_weight_only_ws_dispatch_ab.json, two runs with and two without it in one call) weight_only_mm
+with this kernel reads 0.98-1.03x the dispatch before it at M = 1024 and 2048: a small gain, within what the same
+kernel moves between calls.
 
 Wave quantization: where `weight_only_wgmma.plan` splits the last wave's column tiles over K (`TailSplit`, same
 256 x 128 tile), this kernel runs the whole waves and `weight_only_wgmma.run_tail` the rest (`tail_plan`).
