@@ -19,7 +19,8 @@ import quantfuse as qf
 from quantfuse.kernels import weight_only_wgmma as ww
 from quantfuse.kernels import weight_only_ws as ws
 from tests.gpu import sm90_gluon_marks
-from tests.gpu.test_weight_only_wgmma_gpu import BF16, FP16, SCHEMES, _check_bound, _graph_replayed, _quantized
+from tests.gpu.test_weight_only_wgmma_gpu import (BF16, FP16, SCHEMES, _check_bound, _graph_replayed, _quantized,
+                                                   special_rows_checked)
 
 pytestmark = sm90_gluon_marks("warp-specialized kernel")
 
@@ -89,17 +90,7 @@ def test_bad_tail_refused():
 
 
 def test_special_rows_stay_in_their_rows():
-    qw = _quantized(1024, 4096, SCHEMES[1], BF16)
-    x = torch.randn(300, 4096, device=DEV).to(BF16)
-    clean = _run(x, qw)
-    x[5, 17] = float("nan")
-    x[77, 3] = float("inf")
-    x[200] = 0
-    y = _run(x, qw)
-    assert torch.isnan(y[5]).all() and not torch.isfinite(y[77]).any() and (y[200] == 0).all()
-    others = torch.ones(300, dtype=torch.bool, device=DEV)
-    others[[5, 77, 200]] = False
-    assert torch.equal(y[others], clean[others])
+    special_rows_checked(_run, _quantized(1024, 4096, SCHEMES[1], BF16))
 
 
 def test_dispatch_graph_and_fallback(monkeypatch):

@@ -109,7 +109,9 @@ def check_config(cfg: WsW4Config, scale_bytes: int = 4, has_zero: bool = True) -
 
 
 # Where weight_only_mm runs this kernel (`prefer`): 16-bit scales (of x's dtype: the packed conversion) and M from
-# min_m to max_m, where the product fills the SMs without a split over K.
+# min_m to max_m, where the product fills the SMs without a split over K. H100 (results/tune_weight_only_ws.json,
+# tune_weight_only_ws_dispatch_ab.json): level with or slightly ahead of weight_only_wgmma there (and of dequantize +
+# cuBLAS on 4096x6144 at M = 1024); at M = 4096 dequantize + cuBLAS leads (0.91-0.96x it for this kernel).
 WS_W4_DISPATCH: Dict[str, Dict[str, int]] = {
     "sm90": dict(min_m=1024, max_m=2048),
 }
