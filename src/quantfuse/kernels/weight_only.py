@@ -1175,16 +1175,17 @@ def runs_wide(tile: dict, scale_code: int) -> bool:
 def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int) -> torch.Tensor:
     """Dispatch by M: the fused kernel (split-K for decode, tiled for larger M), the Gluon warp-specialized or
     wgmma kernel where `weight_only_ws.prefer` / `weight_only_wgmma.prefer` say so (int4, sm90, prefill-sized M),
-    or for M at least `cublas_min_m`
-    dequantize once and call cuBLAS (measured faster there; see bench_weight_only.py)."""
+    or for M at least `cublas_min_m` dequantize once and call cuBLAS (measured faster there; see
+    bench_weight_only.py)."""
     m, k = x2d.shape
     # the shape rule first: decode calls skip the scope checks (descriptor strides, device capability)
     arch = arch_key(x2d.device.type, x2d.device.index)
     scale16 = scales.dtype == x2d.dtype
-    if scale16 and x2d.is_cuda and weight_only_ws.prefer(m, n, k, arch, scale16, _num_sms(x2d.device)) \
+    sms = _num_sms(x2d.device) if scale16 and x2d.is_cuda else 0
+    if sms and weight_only_ws.prefer(m, n, k, arch, scale16, sms) \
             and weight_only_ws.applies(x2d, qweight, scales, bits, group_size, zeros):
         return weight_only_ws.ws_w4_mm(x2d, qweight, scales, zeros, bias, group_size, n,
-                                       tail=weight_only_ws.tail_plan(m, n, k, arch, _num_sms(x2d.device)))
+                                       tail=weight_only_ws.tail_plan(m, n, k, arch, sms))
     if weight_only_wgmma.prefer(m, n, k, arch, scale16) \
             and weight_only_wgmma.applies(x2d, qweight, scales, bits, group_size):
         return weight_only_wgmma.wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size, n)
