@@ -128,7 +128,7 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
     dev = torch.device("cuda")
     table = kw._table(dev)
     sm90_gluon = gt.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
-    if bits == 4 and sm90_gluon and wws.prefer(m, n, k, "sm90", SCALE_DTYPE == BF16, kw._num_sms(dev)):
+    if bits == 4 and sm90_gluon and wws.prefer(m, n, k, "sm90", kw._num_sms(dev)):
         tail = wws.tail_plan(m, n, k, "sm90", kw._num_sms(dev))  # what ws_w4_mm runs
         return "gluon ws 256x128" + ("" if tail is None else f" tail {tail[1].main_tiles_n}+{tail[1].splits}way")
     if bits == 4 and sm90_gluon and ww.prefer(m, n, k, "sm90", SCALE_DTYPE == BF16):  # group 128: applies

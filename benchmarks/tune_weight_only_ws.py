@@ -44,7 +44,7 @@ def _clone(qw: QuantizedWeight) -> QuantizedWeight:
 
 
 def _path(m, n, k, scale16, sms) -> str:
-    if wws.prefer(m, n, k, "sm90", scale16, sms):
+    if wws.prefer(m, n, k, "sm90", sms):
         return "ws"
     if ww.prefer(m, n, k, "sm90", scale16):
         return "wgmma"

@@ -17,6 +17,7 @@ import torch
 
 import quantfuse as qf
 from quantfuse.kernels import weight_only_wgmma as ww
+from quantfuse.kernels import weight_only_ws as ws
 from tests.gpu import sm90_gluon_marks
 
 pytestmark = sm90_gluon_marks("wgmma kernel")
@@ -141,7 +142,8 @@ def test_tail_split_is_the_two_launches_it_stands_for(k, n, m, tail):
             _check_bound(y, x, qw, bias, f"{cfg.block_m} {tail} g{scheme[0]} K{k}N{n}M{m}")
 
 
-def test_tail_split_chosen_by_the_model_runs_under_a_graph():
+def test_tail_split_chosen_by_the_model_runs_under_a_graph(monkeypatch):
+    monkeypatch.setattr(ws, "WS_W4_DISPATCH", {})  # weight_only_mm's M = 1024 goes to the warp-specialized kernel
     qw = _quantized(10240, 8192, SCHEMES[0], BF16)
     x = torch.randn(1024, 8192, device=DEV).to(BF16)
     cfg = ww.pick_config(1024, 10240, 8192, x.device)
@@ -196,7 +198,7 @@ def test_dispatch_graph_and_fallback(monkeypatch):
     y = qf.weight_only_mm(x, qw)
     assert calls == [256] and torch.equal(y, real(x, qw.qweight, qw.scales, qw.zeros, None, 128, 6144))
     qf.weight_only_mm(x[:64], qw)  # M <= 128: the tl wide tile
-    qf.weight_only_mm(torch.randn(2048, 4096, device=DEV).to(BF16), qw)  # dequantize + cuBLAS
+    qf.weight_only_mm(torch.randn(2048, 4096, device=DEV).to(BF16), qw)  # the warp-specialized kernel
     assert calls == [256]
     # a padded-row view whose row stride (4100 x 2 bytes) no tensor descriptor takes: the tl kernels
     xp = torch.randn(256, 4100, device=DEV).to(BF16)[:, :4096]

@@ -8,8 +8,8 @@
   test_weight_only_wgmma_gpu.py.
 - The tail split is the two launches it stands for: main columns bit for bit this kernel's whole product, tail
   columns bit for bit weight_only_wgmma's split-K launch.
-- NaN / inf / all-zero rows stay in their rows; quantfuse.weight_only_mm runs the kernel where `prefer` says (16-bit
-  scales, M = 1024..2048) and not elsewhere; CUDA graph capture and replay.
+- NaN / inf / all-zero rows stay in their rows; quantfuse.weight_only_mm runs the kernel where `prefer` says
+  (M = 1024..2048, float32 or 16-bit scales) and not elsewhere; CUDA graph capture and replay.
 """
 
 import pytest
@@ -110,9 +110,14 @@ def test_dispatch_graph_and_fallback(monkeypatch):
     assert calls == [(1024, None)] and torch.equal(y, _run(x, qw))
     x2, y2 = _graph_replayed(x, qw)
     assert torch.equal(y2, _run(x2, qw))
-    # float32 scales, or M outside 1024..2048: weight_only_wgmma / dequantize + cuBLAS as before
+    # float32 scales, M = 2048: this kernel too
     calls.clear()
-    qf.weight_only_mm(x, _quantized(8192, 4096, SCHEMES[0], BF16))
+    qw32 = _quantized(8192, 4096, SCHEMES[0], BF16)
+    x = torch.randn(2048, 4096, device=DEV).to(BF16)
+    y = qf.weight_only_mm(x, qw32)
+    assert calls == [(2048, None)] and torch.equal(y, _run(x, qw32))
+    # M outside 1024..2048: weight_only_wgmma / dequantize + cuBLAS as before
+    calls.clear()
     qf.weight_only_mm(x[:512], qw)
     qf.weight_only_mm(torch.randn(4096, 4096, device=DEV).to(BF16), qw)
     assert calls == []

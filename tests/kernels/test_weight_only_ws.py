@@ -40,13 +40,12 @@ def test_single_row_scales_are_describable_whatever_torch_reports_as_their_strid
 
 
 def test_prefer_rule():
-    # 16-bit scales only, M = 1024..2048, and only where the product fills the SMs without a split over K
-    assert ws.prefer(1024, 28672, 4096, "sm90", True, 132) and ws.prefer(2048, 6144, 4096, "sm90", True, 132)
-    assert ws.prefer(1024, 6144, 4096, "sm90", True, 132)  # with the tail split (weight_only_wgmma's rule: cuBLAS)
-    assert not ws.prefer(1024, 28672, 4096, "sm90", False, 132)  # float32 scales: level with weight_only_wgmma
-    assert not ws.prefer(512, 28672, 4096, "sm90", True, 132) and not ws.prefer(4096, 28672, 4096, "sm90", True, 132)
-    assert not ws.prefer(1024, 512, 4096, "sm90", True, 132)  # 8 tiles: weight_only_wgmma splits K
-    assert not ws.prefer(1024, 28672, 4096, "default", True, 132)
+    # M = 1024..2048, and only where the product fills the SMs without a split over K
+    assert ws.prefer(1024, 28672, 4096, "sm90", 132) and ws.prefer(2048, 6144, 4096, "sm90", 132)
+    assert ws.prefer(1024, 6144, 4096, "sm90", 132)  # with the tail split (weight_only_wgmma's rule: cuBLAS)
+    assert not ws.prefer(512, 28672, 4096, "sm90", 132) and not ws.prefer(4096, 28672, 4096, "sm90", 132)
+    assert not ws.prefer(1024, 512, 4096, "sm90", 132)  # 8 tiles: weight_only_wgmma splits K
+    assert not ws.prefer(1024, 28672, 4096, "default", 132)
 
 
 def test_tail_plan_is_weight_only_wgmma_s_where_the_tiles_match():

@@ -68,7 +68,7 @@ Kernels:
   dequantize + cuBLAS there.
 - `weight_only_ws` (Gluon, sm90, int4, M >= 256): the conversion in a producer warpgroup of its own, feeding
   shared-memory wgmma in two consumer warpgroups; `weight_only_mm` runs it where `weight_only_ws.prefer` says
-  (16-bit scales, M = 1024..2048), ahead of the register-operand kernel and of dequantize + cuBLAS there.
+  (M = 1024..2048), ahead of the register-operand kernel and of dequantize + cuBLAS there.
 - `_dequant_kernel` writes w_hat [N, K] (for `QuantizedWeight.dequantize` and for large M, where
   dequantize-once + cuBLAS can beat the fused kernel; the crossover is data in `_DISPATCH`).
 Launchers assume the arguments were validated by `quantfuse.ops`.
@@ -1181,8 +1181,8 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
     # the shape rule first: decode calls skip the scope checks (descriptor strides, device capability)
     arch = arch_key(x2d.device.type, x2d.device.index)
     scale16 = scales.dtype == x2d.dtype
-    sms = _num_sms(x2d.device) if scale16 and x2d.is_cuda else 0
-    if sms and weight_only_ws.prefer(m, n, k, arch, scale16, sms) \
+    sms = _num_sms(x2d.device) if x2d.is_cuda else 0
+    if sms and weight_only_ws.prefer(m, n, k, arch, sms) \
             and weight_only_ws.applies(x2d, qweight, scales, bits, group_size, zeros):
         return weight_only_ws.ws_w4_mm(x2d, qweight, scales, zeros, bias, group_size, n,
                                        tail=weight_only_ws.tail_plan(m, n, k, arch, sms))

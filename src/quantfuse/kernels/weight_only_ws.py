@@ -28,15 +28,14 @@ shipped form, 0.72-0.88x (float32 scales). So the producer's instruction stream 
   every global load the thread has in flight (ncu: the fence and the first use of the words were the producer's
   top stalls), so a register prefetch's latency came back into every chunk;
 - one LOP3 per field (PTX): written as an and / or of two immediates ptxas emits two;
-- one fence and one partition barrier per chunk, not per half.
+- one fence and one partition barrier per chunk, not per half;
+- the aux cursor's tile coordinates (integer divisions) worked out once per tile, not per chunk: 0.96-1.09x the
+  version before, median 1.06 (results/tune_weight_only_ws_cursor.json, same call, bit-identical output).
 The packed conversion of 16-bit scales (1.5 instructions per weight) keeps the producer ahead of float32 scales'
-(3.5: OR, subtract, multiply, half a pack). Same run as the table (results/tune_weight_only_ws.json, W4A16 g128,
-five Llama-3 shapes, CUDA graphs, weights rotated past L2): with bfloat16 scales 1.02-1.08x `weight_only_wgmma`
-at M = 1024, 1.00-1.06x at 1536, 0.99-1.04x at 2048 (minimum of two rounds each); with float32 scales 0.89-1.03x
-(level at best), so `prefer` takes 16-bit scales only. Through bench_weight_only.py's harness (median of three
-rounds; results/tune_weight_only_ws_dispatch_ab.json, two runs with and two without it in one call) weight_only_mm
-with this kernel reads 0.98-1.03x the dispatch before it at M = 1024 and 2048: a small gain, within what the same
-kernel moves between calls.
+(3.5: OR, subtract, multiply, half a pack), yet both now beat the register-operand kernel. In one run
+(results/tune_weight_only_ws.json, W4A16 g128,
+five Llama-3 shapes, CUDA graphs, weights rotated past L2, minimum of two rounds): 1.04-1.15x `weight_only_wgmma`
+with bfloat16 scales and 1.01-1.16x with float32 scales at M = 1024 and 2048; 0.79-1.01x bf16 cuBLAS.
 
 Wave quantization: where `weight_only_wgmma.plan` splits the last wave's column tiles over K (`TailSplit`, same
 256 x 128 tile), this kernel runs the whole waves and `weight_only_wgmma.run_tail` the rest (`tail_plan`).
@@ -108,20 +107,20 @@ def check_config(cfg: WsW4Config, scale_bytes: int = 4, has_zero: bool = True) -
                          f"{cfg.aux_stages} aux slots), group >= 1, got {cfg}")
 
 
-# Where weight_only_mm runs this kernel (`prefer`): 16-bit scales (of x's dtype: the packed conversion) and M from
-# min_m to max_m, where the product fills the SMs without a split over K. H100 (results/tune_weight_only_ws.json,
-# tune_weight_only_ws_dispatch_ab.json): level with or slightly ahead of weight_only_wgmma there (and of dequantize +
-# cuBLAS on 4096x6144 at M = 1024); at M = 4096 dequantize + cuBLAS leads (0.91-0.96x it for this kernel).
+# Where weight_only_mm runs this kernel (`prefer`): M from min_m to max_m, where the product fills the SMs without a
+# split over K, float32 or 16-bit scales. H100 (results/tune_weight_only_ws.json, one run, five Llama-3 shapes):
+# 1.01-1.16x weight_only_wgmma at M = 1024 and 2048 and ahead of dequantize + cuBLAS on 18 of 20 rows (4096x6144 at
+# M = 2048 with float32 scales 166 vs 160 us, 14336x4096 at 2048 with bf16 scales 369 vs 372); at M = 4096 dequantize
+# + cuBLAS led the earlier version (0.91-0.96x it for this kernel; not re-measured).
 WS_W4_DISPATCH: Dict[str, Dict[str, int]] = {
     "sm90": dict(min_m=1024, max_m=2048),
 }
 
 
-def prefer(m: int, n: int, k: int, arch: str, scale16: bool, num_sms: int) -> bool:
+def prefer(m: int, n: int, k: int, arch: str, num_sms: int) -> bool:
     """Whether weight_only_mm runs this kernel at this shape (where `applies`) on `arch`: WS_W4_DISPATCH."""
     rule = WS_W4_DISPATCH.get(arch)
-    return (rule is not None and scale16 and rule["min_m"] <= m <= rule["max_m"]
-            and _ww.plan(m, n, k, arch, num_sms)[1] == 1)
+    return rule is not None and rule["min_m"] <= m <= rule["max_m"] and _ww.plan(m, n, k, arch, num_sms)[1] == 1
 
 
 def tail_plan(m: int, n: int, k: int, arch: str, num_sms: int):
@@ -259,12 +258,10 @@ if GLUON_AVAILABLE and _aggregate is not None:
         mbarrier.arrive(ready.index(s1), count=1)
 
     @gluon.jit
-    def _aux_issue(wq_desc, s_desc, z_desc, wq_smem, s_smem, z_smem, aux_bar, q, tile, t, M, N, group_chunk_shift,
-                   cfg):
-        """Chunk t of `tile`: its packed words and its group's scales (and zero points) into aux slot q % AUX by
-        the copy engine (zero fill past N)."""
+    def _aux_issue(wq_desc, s_desc, z_desc, wq_smem, s_smem, z_smem, aux_bar, q, off_n, t, group_chunk_shift, cfg):
+        """Chunk t of the tile whose weight rows start at off_n: its packed words and its group's scales (and zero
+        points) into aux slot q % AUX by the copy engine (zero fill past N)."""
         slot = q % cfg.AUX
-        off_n, load_m, off_m = _tile_rows(tile, M, N, cfg.GROUP)
         g = t >> group_chunk_shift
         if cfg.HAS_ZERO:
             nbytes: gl.constexpr = wq_desc.block_type.nbytes + s_desc.block_type.nbytes + z_desc.block_type.nbytes
@@ -275,6 +272,18 @@ if GLUON_AVAILABLE and _aggregate is not None:
         _tma_load(s_desc, [g, off_n], aux_bar.index(slot), s_smem.index(slot))
         if cfg.HAS_ZERO:
             _tma_load(z_desc, [g, off_n], aux_bar.index(slot), z_smem.index(slot))
+
+    @gluon.jit
+    def _cursor_next(a_tile, a_off_n, a_t, n_chunks, num_tiles, M, N, GROUP: gl.constexpr):
+        """The aux cursor's next (tile, its first weight row, chunk) in this program's sequence: the tile's
+        coordinates (integer divisions) worked out once per tile, not per chunk (the producer bounds the kernel)."""
+        a_t += 1
+        if a_t == n_chunks:
+            a_t = 0
+            a_tile += gl.num_programs(0)
+            if a_tile < num_tiles:
+                a_off_n, a_load_m, a_off_m = _tile_rows(a_tile, M, N, GROUP)
+        return a_tile, a_off_n, a_t
 
     @gluon.jit
     def _producer(x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, x_smem, w_smem, wq_smem, s_smem, z_smem,
@@ -292,15 +301,13 @@ if GLUON_AVAILABLE and _aggregate is not None:
         n_chunks = gl.cdiv(K, _CHUNK)
         # the aux cursor walks this program's (tile, chunk) sequence AUX chunks ahead of the conversion
         a_tile = gl.program_id(0)
+        a_off_n, a_load_m, a_off_m = _tile_rows(a_tile, M, N, cfg.GROUP)  # the grid has at most num_tiles programs
         a_t = 0
         for q in gl.static_range(AUX):
             if a_tile < num_tiles:
-                _aux_issue(wq_desc, s_desc, z_desc, wq_smem, s_smem, z_smem, aux_bar, q, a_tile, a_t, M, N,
+                _aux_issue(wq_desc, s_desc, z_desc, wq_smem, s_smem, z_smem, aux_bar, q, a_off_n, a_t,
                            group_chunk_shift, cfg)
-            a_t += 1
-            if a_t == n_chunks:
-                a_t = 0
-                a_tile += gl.num_programs(0)
+            a_tile, a_off_n, a_t = _cursor_next(a_tile, a_off_n, a_t, n_chunks, num_tiles, M, N, cfg.GROUP)
         q = 0
         for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             off_n, load_m, off_m = _tile_rows(tile, M, N, cfg.GROUP)
@@ -322,12 +329,9 @@ if GLUON_AVAILABLE and _aggregate is not None:
                 _produce_chunk(x_desc, x_smem, w_smem, ready, empty, words, zero, scale, 2 * q, t, load_m, cfg)
                 # the slot's values were converted and published (behind the partition's barrier): refill it
                 if a_tile < num_tiles:
-                    _aux_issue(wq_desc, s_desc, z_desc, wq_smem, s_smem, z_smem, aux_bar, q + AUX, a_tile, a_t, M,
-                               N, group_chunk_shift, cfg)
-                a_t += 1
-                if a_t == n_chunks:
-                    a_t = 0
-                    a_tile += gl.num_programs(0)
+                    _aux_issue(wq_desc, s_desc, z_desc, wq_smem, s_smem, z_smem, aux_bar, q + AUX, a_off_n, a_t,
+                               group_chunk_shift, cfg)
+                a_tile, a_off_n, a_t = _cursor_next(a_tile, a_off_n, a_t, n_chunks, num_tiles, M, N, cfg.GROUP)
                 q += 1
 
     @gluon.jit
