@@ -5,7 +5,6 @@ W4A16 group 128 symmetric, bf16 activations, the five Llama-3 (K, N) at M in WS_
 4096), float32 scales and bfloat16 scales (the packed conversion). Per row, in alternated rounds (WS_ROUNDS, default
 2; the minimum of each), CUDA graphs, weights rotated past L2 (common.rotation_count):
 - ws_us: ws_w4_mm with the tail plan weight_only_mm would give it (`weight_only_ws.tail_plan`);
-- ws_sk_us: ws_w4_mm in stream-K order (every program an even share of all tiles' chunks, no tail launch);
 - wgmma_us: weight_only_wgmma.wgmma_w4_mm with its own plan (config, split-K, tail split);
 - dequant_cublas_us: dequantize once + F.linear;
 - ours_us: quantfuse.weight_only_mm (the shipped dispatch; `path` names it);
@@ -36,9 +35,8 @@ BF16 = torch.bfloat16
 LLAMA_KN = [(4096, 6144), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192)]
 MS = [int(v) for v in os.environ.get("WS_MS", "1024,1536,2048,4096").split(",")]
 ROUNDS = int(os.environ.get("WS_ROUNDS", "2"))
-COLUMNS = ["scales", "K", "N", "M", "path", "ours_us", "ws_us", "ws_sk_us", "wgmma_us", "dequant_cublas_us",
-           "bf16_us", "ws_vs_bf16", "ws_sk_vs_bf16", "wgmma_vs_bf16", "ours_vs_bf16", "ws_vs_wgmma", "sk_vs_ws",
-           "ws_tail"]
+COLUMNS = ["scales", "K", "N", "M", "path", "ours_us", "ws_us", "wgmma_us", "dequant_cublas_us", "bf16_us",
+           "ws_vs_bf16", "wgmma_vs_bf16", "ours_vs_bf16", "ws_vs_wgmma", "ws_tail"]
 
 
 def _clone(qw: QuantizedWeight) -> QuantizedWeight:
@@ -70,8 +68,6 @@ def main() -> None:
                 fns = {
                     "ws_us": (lambda x, q: wws.ws_w4_mm(x, q.qweight, q.scales, q.zeros, None, 128, n, tail=tail),
                               [(x, q) for q in qws]),
-                    "ws_sk_us": (lambda x, q: wws.ws_w4_mm(x, q.qweight, q.scales, q.zeros, None, 128, n,
-                                                           stream_k=True), [(x, q) for q in qws]),
                     "wgmma_us": (lambda x, q: ww.wgmma_w4_mm(x, q.qweight, q.scales, q.zeros, None, 128, n),
                                  [(x, q) for q in qws]),
                     "dequant_cublas_us": (lambda x, q: F.linear(x, kw.dequantize(q.qweight, q.scales, q.zeros, 4,
@@ -90,8 +86,6 @@ def main() -> None:
                            f"{tail[1].main_tiles_n}+{tail[1].splits}way")
                 row.update({name: min(v) for name, v in times.items()})
                 row["ws_vs_bf16"] = row["bf16_us"] / row["ws_us"]
-                row["ws_sk_vs_bf16"] = row["bf16_us"] / row["ws_sk_us"]
-                row["sk_vs_ws"] = row["ws_us"] / row["ws_sk_us"]
                 row["wgmma_vs_bf16"] = row["bf16_us"] / row["wgmma_us"]
                 row["ours_vs_bf16"] = row["bf16_us"] / row["ours_us"]
                 row["ws_vs_wgmma"] = row["wgmma_us"] / row["ws_us"]

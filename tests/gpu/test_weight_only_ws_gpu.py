@@ -28,16 +28,10 @@ DEV = "cuda"
 TILE_CFG = next(c for c in ww.all_configs("sm90") if (c.block_m, c.block_n) == (ws.BLOCK_M, ws.BLOCK_N))
 
 
-def _run(x, qw, bias=None, tail=None, stream_k=False, programs=None):
+def _run(x, qw, bias=None, tail=None):
     assert ws.applies(x, qw.qweight, qw.scales, 4, qw.group_size, qw.zeros)
     return ws.ws_w4_mm(x, qw.qweight, qw.scales, qw.zeros, bias, qw.group_size, qw.shape[0],
-                       tail=None if tail is None else (TILE_CFG, tail), stream_k=stream_k, programs=programs)
-
-
-def _split_tiles(m, n, k, programs):
-    """How many tiles the stream-K ranges of `programs` programs cut in two (ws._schedule's arithmetic)."""
-    tiles, chunks = -(-m // ws.BLOCK_M) * -(-n // ws.BLOCK_N), -(-k // ws.CHUNK)
-    return sum(1 for p in range(1, programs) if (tiles * chunks * p // programs) % chunks)
+                       tail=None if tail is None else (TILE_CFG, tail))
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
@@ -53,54 +47,6 @@ def test_identity_rows_give_w_hat_bit_for_bit(scheme, dtype):
         y = _run(x, qw, tail=tail)
         bad = int((y != w_hat[:, rows].t()).sum())
         assert bad == 0, f"tail={tail}: {bad} outputs differ from w_hat"
-
-
-@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"g{s[0]}{'s' if s[1] else 'a'}-{str(s[2])[6:]}")
-def test_stream_k_identity_rows_give_w_hat_bit_for_bit(scheme, dtype):
-    """Tiles cut between two programs: the first chunks' program adds the other's float32 partial (one exact
-    product and zeros here) before its epilogue; every (tile, chunk) is computed once."""
-    k, n = 904, 392  # 7 full chunks + 8 codes; 4 weight-row tiles, the last partial
-    qw = _quantized(n, k, scheme, dtype)
-    w_hat = qw.dequantize(dtype)
-    bias = torch.randn(n, device=DEV).to(dtype)
-    for m, programs in ((600, 5), (k, 7), (300, 3)):
-        assert _split_tiles(m, n, k, programs) > 0
-        rows = torch.arange(m, device=DEV) % k
-        x = torch.zeros(m, k, device=DEV, dtype=dtype)
-        x[torch.arange(m, device=DEV), rows] = 1
-        y = _run(x, qw, stream_k=True, programs=programs)
-        bad = int((y != w_hat[:, rows].t()).sum())
-        assert bad == 0, f"M={m} programs={programs}: {bad} outputs differ from w_hat"
-        y = _run(x, qw, bias, stream_k=True, programs=programs)  # bias added once, by the finishing program
-        want = (w_hat[:, rows].t().float() + bias.float()).to(dtype)
-        assert torch.equal(y, want), f"M={m} programs={programs} with bias"
-
-
-@pytest.mark.parametrize("k,n,m,programs", [(4096, 6144, 1024, None), (8192, 10240, 1024, None),
-                                            (4096, 6144, 1536, None), (7392, 264, 2000, 9)])
-def test_stream_k_random_x_within_bound(k, n, m, programs):
-    for si, scheme in enumerate(SCHEMES):
-        dtype = BF16 if si % 2 == 0 else FP16
-        qw = _quantized(n, k, scheme, dtype)
-        bias = torch.randn(n, device=DEV).to(dtype)
-        x = torch.randn(m, k, device=DEV).to(dtype)
-        y = _run(x, qw, bias, stream_k=True, programs=programs)
-        _check_bound(y, x, qw, bias, f"ws stream-K g{scheme[0]} K{k}N{n}M{m}")
-        assert torch.equal(y, _run(x, qw, bias, stream_k=True, programs=programs)), "run to run"
-
-
-def test_stream_k_special_rows_stay_in_their_rows():
-    special_rows_checked(lambda x, qw: _run(x, qw, stream_k=True, programs=5), _quantized(1024, 4096, SCHEMES[1], BF16))
-
-
-def test_stream_k_refuses_a_tail_and_bad_programs():
-    qw = _quantized(520, 392, SCHEMES[1], BF16)
-    x = torch.randn(256, 392, device=DEV).to(BF16)
-    with pytest.raises(ValueError, match="tail"):
-        _run(x, qw, tail=ww.TailSplit(1, 2), stream_k=True)
-    with pytest.raises(ValueError, match="programs"):
-        _run(x, qw, programs=0)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])

@@ -176,10 +176,9 @@ if GLUON_AVAILABLE and _aggregate is not None:
         GROUP: gl.constexpr
         PART: gl.constexpr  # which 64-row half of the tile's weight rows a consumer multiplies (the producer: 0)
         AUX: gl.constexpr  # chunks of words / scales / zero points in flight ahead of the conversion
-        STREAM_K: gl.constexpr  # each program a contiguous range of (tile, chunk) steps (`_schedule`)
 
         @gluon.constexpr_function
-        def __init__(self, HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, PART, AUX, STREAM_K):
+        def __init__(self, HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, PART, AUX):
             self.HAS_ZERO = gl.constexpr(HAS_ZERO)
             self.HAS_BIAS = gl.constexpr(HAS_BIAS)
             self.SCALE16 = gl.constexpr(SCALE16)
@@ -187,7 +186,6 @@ if GLUON_AVAILABLE and _aggregate is not None:
             self.GROUP = gl.constexpr(GROUP)
             self.PART = gl.constexpr(PART)
             self.AUX = gl.constexpr(AUX)
-            self.STREAM_K = gl.constexpr(STREAM_K)
 
     @gluon.jit
     def _tile_rows(tile, M, N, GROUP: gl.constexpr):
@@ -276,44 +274,20 @@ if GLUON_AVAILABLE and _aggregate is not None:
             _tma_load(z_desc, [g, off_n], aux_bar.index(slot), z_smem.index(slot))
 
     @gluon.jit
-    def _schedule(num_tiles, n_chunks, STREAM_K: gl.constexpr):
-        """(first tile, its first chunk, steps, tile stride) of this program's (tile, chunk) sequence. Whole tiles
-        round robin; or (STREAM_K) the program's even share of all tiles' chunks in order, so the last wave is
-        spread over every SM: a tile split between programs p and p + 1 has its first chunks at the end of p's
-        range and its last ones at the start of p + 1's (a program has at least a tile's chunks: no tile has a
-        third piece)."""
-        pid = gl.program_id(0)
-        progs = gl.num_programs(0)
-        if STREAM_K:
-            total = num_tiles.to(gl.int64) * n_chunks
-            u0 = total * pid // progs
-            u1 = total * (pid + 1) // progs
-            tile0 = (u0 // n_chunks).to(gl.int32)
-            t0 = (u0 % n_chunks).to(gl.int32)
-            steps = (u1 - u0).to(gl.int32)
-            stride = 1
-        else:
-            tile0 = pid
-            t0 = pid * 0
-            steps = gl.cdiv(num_tiles - pid, progs) * n_chunks
-            stride = progs
-        return tile0, t0, steps, stride
-
-    @gluon.jit
-    def _cursor_next(a_tile, a_off_n, a_t, n_chunks, stride, num_tiles, M, N, GROUP: gl.constexpr):
+    def _cursor_next(a_tile, a_off_n, a_t, n_chunks, num_tiles, M, N, GROUP: gl.constexpr):
         """The aux cursor's next (tile, its first weight row, chunk) in this program's sequence: the tile's
         coordinates (integer divisions) worked out once per tile, not per chunk (the producer bounds the kernel)."""
         a_t += 1
         if a_t == n_chunks:
             a_t = 0
-            a_tile += stride
+            a_tile += gl.num_programs(0)
             if a_tile < num_tiles:
                 a_off_n, a_load_m, a_off_m = _tile_rows(a_tile, M, N, GROUP)
         return a_tile, a_off_n, a_t
 
     @gluon.jit
-    def _producer(x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, part_ptr, flag_ptr, x_smem, w_smem, wq_smem,
-                  s_smem, z_smem, ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift, cfg):
+    def _producer(x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, x_smem, w_smem, wq_smem, s_smem, z_smem,
+                  ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift, cfg):
         """Every chunk of every tile of this program, in order, into the operand ring: x by the copy engine, w_hat
         converted here from words, scales and zero points the copy engine brought AUX chunks ahead. (Not global
         loads into registers: the fence that publishes each converted half waits for every load the thread has
@@ -325,44 +299,40 @@ if GLUON_AVAILABLE and _aggregate is not None:
         row_l: gl.constexpr = gl.SliceLayout(1, w_l)
         num_tiles = gl.cdiv(M, _BM) * gl.cdiv(N, _BN)
         n_chunks = gl.cdiv(K, _CHUNK)
-        tile, t, steps, stride = _schedule(num_tiles, n_chunks, cfg.STREAM_K)
-        # the aux cursor walks the same sequence AUX chunks ahead of the conversion
-        off_n, load_m, off_m = _tile_rows(tile, M, N, cfg.GROUP)
-        a_tile = tile
-        a_off_n = off_n
-        a_t = t
+        # the aux cursor walks this program's (tile, chunk) sequence AUX chunks ahead of the conversion
+        a_tile = gl.program_id(0)
+        a_off_n, a_load_m, a_off_m = _tile_rows(a_tile, M, N, cfg.GROUP)  # the grid has at most num_tiles programs
+        a_t = 0
         for q in gl.static_range(AUX):
-            if q < steps:
+            if a_tile < num_tiles:
                 _aux_issue(wq_desc, s_desc, z_desc, wq_smem, s_smem, z_smem, aux_bar, q, a_off_n, a_t,
                            group_chunk_shift, cfg)
-            a_tile, a_off_n, a_t = _cursor_next(a_tile, a_off_n, a_t, n_chunks, stride, num_tiles, M, N, cfg.GROUP)
-        for q in range(steps):
-            slot = q % AUX
-            mbarrier.wait(aux_bar.index(slot), (q // AUX) & 1)
-            words = wq_smem.index(slot).load(w_l)
-            s = s_smem.index(slot).reshape([_BN]).load(row_l)
-            if cfg.HAS_ZERO:
-                z = z_smem.index(slot).reshape([_BN]).load(row_l)
-            else:
-                z = gl.full([_BN], 8, gl.int32, row_l)
-            if cfg.SCALE16:
-                zero = _magic_zero_pair(z, DT)
-                scale = _half_pair(s)
-            else:
-                zero = z.to(gl.float32)
-                scale = s
-            _produce_chunk(x_desc, x_smem, w_smem, ready, empty, words, zero, scale, 2 * q, t, load_m, cfg)
-            # the slot's values were converted and published (behind the partition's barrier): refill it
-            if q + AUX < steps:
-                _aux_issue(wq_desc, s_desc, z_desc, wq_smem, s_smem, z_smem, aux_bar, q + AUX, a_off_n, a_t,
-                           group_chunk_shift, cfg)
-            a_tile, a_off_n, a_t = _cursor_next(a_tile, a_off_n, a_t, n_chunks, stride, num_tiles, M, N, cfg.GROUP)
-            t += 1
-            if t == n_chunks:
-                t = 0
-                tile += stride
-                if tile < num_tiles:
-                    off_n, load_m, off_m = _tile_rows(tile, M, N, cfg.GROUP)
+            a_tile, a_off_n, a_t = _cursor_next(a_tile, a_off_n, a_t, n_chunks, num_tiles, M, N, cfg.GROUP)
+        q = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            off_n, load_m, off_m = _tile_rows(tile, M, N, cfg.GROUP)
+            for t in range(n_chunks):
+                slot = q % AUX
+                mbarrier.wait(aux_bar.index(slot), (q // AUX) & 1)
+                words = wq_smem.index(slot).load(w_l)
+                s = s_smem.index(slot).reshape([_BN]).load(row_l)
+                if cfg.HAS_ZERO:
+                    z = z_smem.index(slot).reshape([_BN]).load(row_l)
+                else:
+                    z = gl.full([_BN], 8, gl.int32, row_l)
+                if cfg.SCALE16:
+                    zero = _magic_zero_pair(z, DT)
+                    scale = _half_pair(s)
+                else:
+                    zero = z.to(gl.float32)
+                    scale = s
+                _produce_chunk(x_desc, x_smem, w_smem, ready, empty, words, zero, scale, 2 * q, t, load_m, cfg)
+                # the slot's values were converted and published (behind the partition's barrier): refill it
+                if a_tile < num_tiles:
+                    _aux_issue(wq_desc, s_desc, z_desc, wq_smem, s_smem, z_smem, aux_bar, q + AUX, a_off_n, a_t,
+                               group_chunk_shift, cfg)
+                a_tile, a_off_n, a_t = _cursor_next(a_tile, a_off_n, a_t, n_chunks, num_tiles, M, N, cfg.GROUP)
+                q += 1
 
     @gluon.jit
     def _store_piece(piece, n_idx, m0, M, N, off_m, out_ptr, stride_om):
@@ -375,56 +345,20 @@ if GLUON_AVAILABLE and _aggregate is not None:
         gl.store(out_ptr + ms.to(gl.int64)[None, :] * stride_om + ns[:, None], res, mask=mask)
 
     @gluon.jit
-    def _pieces(acc):
-        """A [64, 256] accumulator (or a tensor in its layout) as four [64, 64] token pieces, by register renaming
-        (token bits 64 and 128 are register bits of the layout)."""
-        ROWS: gl.constexpr = acc.shape[0]
-        q = gl.permute(gl.reshape(acc, [ROWS, 2, 2, 64]), (0, 3, 1, 2))  # [n, b, a1, a0]: token 128 a1 + 64 a0 + b
-        e0, e1 = gl.split(q)
-        p0, p2 = gl.split(e0)
-        p1, p3 = gl.split(e1)
-        return p0, p1, p2, p3
-
-    @gluon.jit
-    def _partial_offsets(opaque_zero, layout: gl.constexpr):
-        """Offsets of a consumer's float32 [64, 256] partial, element [r, j] where this thread holds it in `layout`
-        (writer and reader run the same layout: each thread reads back what one thread wrote). opaque_zero: a zero
-        the compiler cannot see as one, taken from the loop's state, so that the 128 offsets are formed where they
-        are used, not hoisted out of the loop into 128 live registers (they spilled); scaled by the row length so
-        that the column pairs stay 8-byte aligned (vector accesses)."""
-        ROWS: gl.constexpr = _BN // 2
-        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, _BM, layout=gl.SliceLayout(0, layout)) + opaque_zero * _BM
-        return rows[:, None] * _BM + cols[None, :]
-
-    @gluon.jit
-    def _flag_ptrs(flag_ptr, owner, PART: gl.constexpr):
-        """One pointer per thread of the consumer warpgroup to program `owner`'s flag for this consumer."""
-        th_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        return flag_ptr + (owner * 2 + PART) + gl.zeros([128], gl.int32, th_l)
-
-    @gluon.jit
-    def _consumer(x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, part_ptr, flag_ptr, x_smem, w_smem, wq_smem,
-                  s_smem, z_smem, ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift, cfg):
-        """Weight rows 64 CONSUMER .. + 64 of each of this program's tiles (or pieces of tiles) against the tile's
-        256 tokens. STREAM_K: a tile's last chunks (this program's first piece) go to this program's float32
-        partial and flag; its first chunks (this program's last piece) wait for program + 1's flag, add its
-        partial and run the epilogue. Each thread releases its own stores and acquires before its own loads."""
+    def _consumer(x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, x_smem, w_smem, wq_smem, s_smem, z_smem,
+                  ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift, cfg):
+        """Weight rows 64 CONSUMER .. + 64 of each of this program's tiles against the tile's 256 tokens."""
         STAGES: gl.constexpr = cfg.STAGES
         ROWS: gl.constexpr = _BN // 2
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, _BM, 16])
         num_tiles = gl.cdiv(M, _BM) * gl.cdiv(N, _BN)
         n_chunks = gl.cdiv(K, _CHUNK)
-        tile, t, steps, stride = _schedule(num_tiles, n_chunks, cfg.STREAM_K)
-        pid = gl.program_id(0)
         c = 0
-        i = 0
-        while i < steps:
-            plen = gl.minimum(n_chunks - t, steps - i)
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             off_n, load_m, off_m = _tile_rows(tile, M, N, cfg.GROUP)
             acc = gl.zeros([ROWS, _BM], gl.float32, mma)
-            for h in range(2 * plen):
+            for h in range(2 * n_chunks):
                 slot = (c + h) % STAGES
                 mbarrier.wait(ready.index(slot), ((c + h) // STAGES) & 1)
                 acc = warpgroup_mma(w_smem.index(slot).slice(cfg.PART * ROWS, ROWS),
@@ -433,57 +367,29 @@ if GLUON_AVAILABLE and _aggregate is not None:
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty.index((c + h + STAGES - 1) % STAGES), count=1, pred=h > 0)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(empty.index((c + 2 * plen - 1) % STAGES), count=1)
-            c += 2 * plen
+            mbarrier.arrive(empty.index((c + 2 * n_chunks - 1) % STAGES), count=1)
+            c += 2 * n_chunks
 
             n_idx = off_n + cfg.PART * ROWS
-            if cfg.HAS_BIAS and not (cfg.STREAM_K and t > 0):
+            if cfg.HAS_BIAS:
                 ns = n_idx + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
                 acc += gl.load(bias_ptr + ns, mask=ns < N, other=0.0).to(gl.float32)[:, None]
-            p0, p1, p2, p3 = _pieces(acc)
-            if cfg.STREAM_K:
-                o0, o1, o2, o3 = _pieces(_partial_offsets(tile >> 31, mma))
-            if cfg.STREAM_K and t > 0:
-                # the tile's last chunks: the partial for program pid - 1, which finishes the tile
-                base = part_ptr + (pid.to(gl.int64) * 2 + cfg.PART) * (ROWS * _BM)
-                gl.store(base + o0, p0)
-                gl.store(base + o1, p1)
-                gl.store(base + o2, p2)
-                gl.store(base + o3, p3)
-                th_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-                gl.atomic_add(_flag_ptrs(flag_ptr, pid, cfg.PART), gl.full([128], 1, gl.int32, th_l),
-                              sem="release", scope="gpu")
-            else:
-                if cfg.STREAM_K and t + plen < n_chunks:
-                    # the tile's first chunks: wait for program pid + 1's partial of its last ones (it ran them
-                    # first in its range, so this rarely spins), then add it piece by piece (each piece's loads
-                    # after the store before: the whole partial at once would not fit beside the accumulator)
-                    th_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-                    fp = _flag_ptrs(flag_ptr, pid + 1, cfg.PART)
-                    seen = gl.atomic_add(fp, gl.zeros([128], gl.int32, th_l), sem="acquire", scope="gpu")
-                    while gl.min(seen, 0) < 128:
-                        seen = gl.atomic_add(fp, gl.zeros([128], gl.int32, th_l), sem="acquire", scope="gpu")
-                    base = part_ptr + ((pid + 1).to(gl.int64) * 2 + cfg.PART) * (ROWS * _BM)
-                    _store_piece(p0 + gl.load(base + o0), n_idx, load_m, M, N, off_m, out_ptr, stride_om)
-                    _store_piece(p1 + gl.load(base + o1), n_idx, load_m + 64, M, N, off_m, out_ptr, stride_om)
-                    _store_piece(p2 + gl.load(base + o2), n_idx, load_m + 128, M, N, off_m, out_ptr, stride_om)
-                    _store_piece(p3 + gl.load(base + o3), n_idx, load_m + 192, M, N, off_m, out_ptr, stride_om)
-                else:
-                    _store_piece(p0, n_idx, load_m, M, N, off_m, out_ptr, stride_om)
-                    _store_piece(p1, n_idx, load_m + 64, M, N, off_m, out_ptr, stride_om)
-                    _store_piece(p2, n_idx, load_m + 128, M, N, off_m, out_ptr, stride_om)
-                    _store_piece(p3, n_idx, load_m + 192, M, N, off_m, out_ptr, stride_om)
-            i += plen
-            t = 0
-            tile += stride
+            # four 64-token pieces by register renaming (token bits 64 and 128 are register bits of the layout)
+            q = gl.permute(gl.reshape(acc, [ROWS, 2, 2, 64]), (0, 3, 1, 2))  # [n, b, a1, a0]: token 128 a1 + 64 a0 + b
+            e0, e1 = gl.split(q)
+            p0, p2 = gl.split(e0)
+            p1, p3 = gl.split(e1)
+            _store_piece(p0, n_idx, load_m, M, N, off_m, out_ptr, stride_om)
+            _store_piece(p1, n_idx, load_m + 64, M, N, off_m, out_ptr, stride_om)
+            _store_piece(p2, n_idx, load_m + 128, M, N, off_m, out_ptr, stride_om)
+            _store_piece(p3, n_idx, load_m + 192, M, N, off_m, out_ptr, stride_om)
 
     @gluon.jit
     def _wo_ws_kernel(
-        x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, part_ptr, flag_ptr,
+        x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr,
         M, N, K, stride_om, group_chunk_shift,
         HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SCALE16: gl.constexpr, STAGES: gl.constexpr,
-        AUX: gl.constexpr, GROUP: gl.constexpr, STREAM_K: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
+        AUX: gl.constexpr, GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         DT: gl.constexpr = x_desc.dtype
         gl.static_assert(x_desc.block_type.shape[0] == _BM, "x boxes of BLOCK_M tokens")
@@ -504,10 +410,10 @@ if GLUON_AVAILABLE and _aggregate is not None:
             mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
         for s in gl.static_range(AUX):
             mbarrier.init(aux_bar.index(s), count=1)
-        shared = (x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, part_ptr, flag_ptr, x_smem, w_smem, wq_smem,
-                  s_smem, z_smem, ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift)
-        args0 = shared + (_WsFlags(HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, 0, AUX, STREAM_K), )
-        args1 = shared + (_WsFlags(HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, 1, AUX, STREAM_K), )
+        shared = (x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, x_smem, w_smem, wq_smem, s_smem, z_smem,
+                  ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift)
+        args0 = shared + (_WsFlags(HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, 0, AUX), )
+        args1 = shared + (_WsFlags(HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, 1, AUX), )
         gl.warp_specialize([(_producer, args0), (_consumer, args0), (_consumer, args1)], [4, 4],
                            [CONSUMER_REGS, CONSUMER_REGS])
 
@@ -525,19 +431,14 @@ def _row_descriptor(t: torch.Tensor, block):
 
 
 def ws_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int, config: Optional[WsW4Config] = None,
-             tail: Optional[Tuple["_ww.WgmmaW4Config", "_ww.TailSplit"]] = None,
-             stream_k: bool = False, programs: Optional[int] = None) -> torch.Tensor:
+             tail: Optional[Tuple["_ww.WgmmaW4Config", "_ww.TailSplit"]] = None) -> torch.Tensor:
     """out [M, N] = x2d @ w_hat.T (+ bias) for int4 codes; the caller checked `applies` and validated the
     arguments. tail (`tail_plan`): this kernel runs the split's first main_tiles_n column tiles and
-    `weight_only_wgmma.run_tail` the rest, split over K, with that config; None: the whole product here.
-    stream_k: every program an even share of all tiles' chunks (module doc), no tail launch. programs: at most
-    this many programs (default: one per SM; the tests split small products with fewer)."""
+    `weight_only_wgmma.run_tail` the rest, split over K, with that config; None: the whole product here."""
     cfg = config or WsW4Config()
     check_config(cfg, scales.element_size(), zeros is not None)
     m, k = x2d.shape
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
-    if stream_k and tail is not None:
-        raise ValueError("tail: expected None with stream_k (the stream-K ranges cover every tile)")
     if tail is not None and not (tail[0].block_m == BLOCK_M and tail[0].block_n == BLOCK_N):
         raise ValueError(f"tail: expected a plan of {BLOCK_M}-token x {BLOCK_N}-row tiles (this kernel's), got {tail}")
     if tail is not None:
@@ -549,24 +450,14 @@ def ws_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int, config:
     z_main = None if zeros is None else zeros[:, :n_main]
     group_chunk_shift = 30 if scales.shape[0] == 1 else (group_size // CHUNK).bit_length() - 1
     tiles = cdiv(m, BLOCK_M) * cdiv(n_main, BLOCK_N)
-    if programs is not None and programs < 1:
-        raise ValueError(f"programs: expected None or >= 1, got {programs}")
-    grid = max(1, min(tiles, sm_count(x2d.device), programs or tiles))
-    # a program's range is at least one tile's chunks when there are no fewer tiles than programs
-    stream_k = stream_k and tiles > grid
-    if stream_k:  # one float32 [128, 256] partial per program and a flag per consumer warpgroup
-        part = torch.empty((grid, 2, BLOCK_N // 2, BLOCK_M), dtype=torch.float32, device=x2d.device)
-        flags = torch.zeros((grid, 2), dtype=torch.int32, device=x2d.device)
-    else:
-        part, flags = scales, scales  # unused
     s_desc = _row_descriptor(s_main, [1, BLOCK_N])
-    launch_kernel(_wo_ws_kernel, (grid,),
+    launch_kernel(_wo_ws_kernel, (max(1, min(tiles, sm_count(x2d.device))),),
         x_descriptor(x2d), _row_descriptor(qw_main, [BLOCK_N, WORDS_PER_CHUNK]), s_desc,
         _row_descriptor(z_main, [1, BLOCK_N]) if z_main is not None else s_desc,
-        bias if bias is not None else scales, out, part, flags, m, n_main, k, out.stride(0), group_chunk_shift,
+        bias if bias is not None else scales, out, m, n_main, k, out.stride(0), group_chunk_shift,
         HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SCALE16=scales.dtype == x2d.dtype,
-        STAGES=cfg.stages, AUX=cfg.aux_stages, GROUP=cfg.group, STREAM_K=stream_k,
-        CONSUMER_REGS=cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg,
+        STAGES=cfg.stages, AUX=cfg.aux_stages, GROUP=cfg.group, CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+        maxnreg=cfg.maxnreg,
     )
     if tail is not None:
         _ww.run_tail(out, x2d, qweight, scales, zeros, bias, group_size, n, tail[0], tail[1])
