@@ -6,11 +6,8 @@
   group, N past the last full tile, with and without the tail split.
 - Random x against ref = x.float() @ w_hat.float().T + bias (TF32 off) within the bound of
   test_weight_only_wgmma_gpu.py.
-- The tail split inside the kernel (its K pieces in the last wave, piece 0 adding the others' float32 partials):
-  identity rows bit for bit with and without bias, for every scheme, with fewer programs than SMs to split small
-  products; main columns bit for bit the whole product; NaN / inf / zero rows.
-- Out of the kernel the tail split is the two launches it stands for: main columns bit for bit this kernel's whole
-  product, tail columns bit for bit weight_only_wgmma's split-K launch.
+- The tail split is the two launches it stands for: main columns bit for bit this kernel's whole product, tail
+  columns bit for bit weight_only_wgmma's split-K launch.
 - NaN / inf / all-zero rows stay in their rows; quantfuse.weight_only_mm runs the kernel where `prefer` says
   (M = 1024..2048, float32 or 16-bit scales) and not elsewhere; CUDA graph capture and replay.
 """
@@ -31,20 +28,10 @@ DEV = "cuda"
 TILE_CFG = next(c for c in ww.all_configs("sm90") if (c.block_m, c.block_n) == (ws.BLOCK_M, ws.BLOCK_N))
 
 
-def _run(x, qw, bias=None, tail=None, in_kernel=True, programs=None):
+def _run(x, qw, bias=None, tail=None):
     assert ws.applies(x, qw.qweight, qw.scales, 4, qw.group_size, qw.zeros)
     return ws.ws_w4_mm(x, qw.qweight, qw.scales, qw.zeros, bias, qw.group_size, qw.shape[0],
-                       tail=None if tail is None else (TILE_CFG, tail), tail_in_kernel=in_kernel, programs=programs)
-
-
-def _in_kernel(m, n, k, tail, programs):
-    """Whether ws_w4_mm splits this tail inside the kernel (its rule: whole tiles in whole waves, every piece in
-    the last one)."""
-    tiles_m = -(-m // ws.BLOCK_M)
-    main = tiles_m * tail.main_tiles_n
-    pieces = ww._ways(k, tail.splits) * tiles_m * (-(-n // ws.BLOCK_N) - tail.main_tiles_n)
-    grid = min(main + pieces, programs)
-    return main % grid == 0 and pieces <= grid
+                       tail=None if tail is None else (TILE_CFG, tail))
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
@@ -60,40 +47,6 @@ def test_identity_rows_give_w_hat_bit_for_bit(scheme, dtype):
         y = _run(x, qw, tail=tail)
         bad = int((y != w_hat[:, rows].t()).sum())
         assert bad == 0, f"tail={tail}: {bad} outputs differ from w_hat"
-
-
-@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"g{s[0]}{'s' if s[1] else 'a'}-{str(s[2])[6:]}")
-def test_tail_split_in_kernel_identity_rows_bit_for_bit(scheme, dtype):
-    """The tail tiles' K pieces in the kernel's last wave: piece 0 adds the other pieces' float32 partials (exact
-    zeros and one exact product here) and the bias once; the main tiles as without a tail."""
-    k, n, m = 904, 1000, 300  # 7 chunks + 8 codes; the last weight-row tile partial; the last token tile moved back
-    qw = _quantized(n, k, scheme, dtype)
-    w_hat = qw.dequantize(dtype)
-    bias = torch.randn(n, device=DEV).to(dtype)
-    rows = torch.arange(m, device=DEV)
-    x = torch.zeros(m, k, device=DEV, dtype=dtype)
-    x[rows, rows] = 1
-    want = (w_hat[:, rows].t().float() + bias.float()).to(dtype)
-    for tail, programs in ((ww.TailSplit(6, 2), 12), (ww.TailSplit(7, 4), 14), (ww.TailSplit(7, 3), 14)):
-        assert _in_kernel(m, n, k, tail, programs)
-        y = _run(x, qw, tail=tail, programs=programs)
-        bad = int((y != w_hat[:, rows].t()).sum())
-        assert bad == 0, f"tail={tail}: {bad} outputs differ from w_hat"
-        assert torch.equal(_run(x, qw, bias, tail=tail, programs=programs), want), f"tail={tail} with bias"
-
-
-def test_tail_split_in_kernel_special_rows_stay_in_their_rows():
-    qw = _quantized(1024, 4096, SCHEMES[1], BF16)
-    assert _in_kernel(300, 1024, 4096, ww.TailSplit(6, 2), 12)
-    special_rows_checked(lambda x, q: _run(x, q, tail=ww.TailSplit(6, 2), programs=12), qw)
-
-
-def test_bad_programs_refused():
-    qw = _quantized(520, 392, SCHEMES[1], BF16)
-    x = torch.randn(256, 392, device=DEV).to(BF16)
-    with pytest.raises(ValueError, match="programs"):
-        _run(x, qw, programs=0)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
@@ -113,30 +66,19 @@ def test_random_x_within_bound(k, n, ms, dtype):
 @pytest.mark.parametrize("k,n,m,tail", [(4096, 6144, 1024, ww.TailSplit(33, 2)), (7392, 264, 513, ww.TailSplit(1, 3)),
                                         (392, 520, 256, ww.TailSplit(2, 4))])
 def test_tail_split_is_the_two_launches_it_stands_for(k, n, m, tail):
-    """Out of the kernel (tail_in_kernel=False, or where the rule does not hold): the main columns bit for bit this
-    kernel's whole product, the tail columns weight_only_wgmma's split-K launch. In the kernel (where the rule
-    holds: 4096x6144 at M = 1024 on 132 SMs): the main columns the same, the tail within the bound."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for si, scheme in enumerate(SCHEMES[:3]):
         dtype = BF16 if si % 2 == 0 else FP16
         qw = _quantized(n, k, scheme, dtype)
         bias = torch.randn(n, device=DEV).to(dtype)
         x = torch.randn(m, k, device=DEV).to(dtype)
+        y = _run(x, qw, bias, tail)
         n_main = tail.main_tiles_n * ws.BLOCK_N
         whole = _run(x, qw, bias)
         split = ww.wgmma_w4_mm(x, qw.qweight, qw.scales, qw.zeros, bias, qw.group_size, n, config=TILE_CFG,
                                splits=tail.splits)
-        y = _run(x, qw, bias, tail, in_kernel=False)
         assert torch.equal(y[:, :n_main], whole[:, :n_main]), f"{tail}: main columns"
         assert torch.equal(y[:, n_main:], split[:, n_main:]), f"{tail}: tail columns"
         _check_bound(y, x, qw, bias, f"ws {tail} g{scheme[0]} K{k}N{n}M{m}")
-        y = _run(x, qw, bias, tail)
-        assert torch.equal(y[:, :n_main], whole[:, :n_main]), f"{tail} in kernel: main columns"
-        if _in_kernel(m, n, k, tail, sms):
-            _check_bound(y, x, qw, bias, f"ws {tail} in kernel g{scheme[0]} K{k}N{n}M{m}")
-            assert torch.equal(y, _run(x, qw, bias, tail)), "run to run"
-        else:
-            assert torch.equal(y[:, n_main:], split[:, n_main:]), f"{tail}: tail columns (out of the kernel)"
 
 
 def test_bad_tail_refused():

@@ -176,10 +176,9 @@ if GLUON_AVAILABLE and _aggregate is not None:
         GROUP: gl.constexpr
         PART: gl.constexpr  # which 64-row half of the tile's weight rows a consumer multiplies (the producer: 0)
         AUX: gl.constexpr  # chunks of words / scales / zero points in flight ahead of the conversion
-        SPLIT: gl.constexpr  # the tail tiles split over K inside the kernel (`_item`)
 
         @gluon.constexpr_function
-        def __init__(self, HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, PART, AUX, SPLIT):
+        def __init__(self, HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, PART, AUX):
             self.HAS_ZERO = gl.constexpr(HAS_ZERO)
             self.HAS_BIAS = gl.constexpr(HAS_BIAS)
             self.SCALE16 = gl.constexpr(SCALE16)
@@ -187,7 +186,6 @@ if GLUON_AVAILABLE and _aggregate is not None:
             self.GROUP = gl.constexpr(GROUP)
             self.PART = gl.constexpr(PART)
             self.AUX = gl.constexpr(AUX)
-            self.SPLIT = gl.constexpr(SPLIT)
 
     @gluon.jit
     def _tile_rows(tile, M, N, GROUP: gl.constexpr):
@@ -276,76 +274,44 @@ if GLUON_AVAILABLE and _aggregate is not None:
             _tma_load(z_desc, [g, off_n], aux_bar.index(slot), z_smem.index(slot))
 
     @gluon.jit
-    def _item(i, M, N, n_main, n_chunks, splits, main_items, GROUP: gl.constexpr):
-        """Work item i of the kernel: (first weight row, first token row loaded, first token row stored, first chunk,
-        end chunk, tail tile, piece). Items below main_items are whole tiles of the first n_main weight rows; the
-        rest are the tail tiles (rows n_main..N) cut into `splits` pieces over K, piece p of tail tile j being item
-        main_items + splits j + p (the tile's pieces run side by side, in the same wave)."""
-        if i < main_items:
-            off_n, load_m, off_m = _tile_rows(i, M, n_main, GROUP)
-            t0 = i * 0
-            t1 = t0 + n_chunks
-            tt = t0 - 1
-            piece = t0
-        else:
-            j = i - main_items
-            tt = j // splits
-            piece = j % splits
-            off_n, load_m, off_m = _tile_rows(tt, M, N - n_main, GROUP)
-            off_n += (n_main // _BN) * _BN  # (a whole number of tiles, written so: 16-byte output stores)
-            t0 = piece * n_chunks // splits
-            t1 = (piece + 1) * n_chunks // splits
-        return off_n, load_m, off_m, t0, t1, tt, piece
-
-    @gluon.jit
-    def _cursor_next(a_i, a_off_n, a_t, a_t1, total, M, N, n_main, n_chunks, splits, main_items,
-                     GROUP: gl.constexpr):
-        """The aux cursor's next (item, its first weight row, chunk, end chunk) in this program's sequence: the
-        item's coordinates (integer divisions) worked out once per item, not per chunk (the producer bounds the
-        kernel)."""
+    def _cursor_next(a_tile, a_off_n, a_t, n_chunks, num_tiles, M, N, GROUP: gl.constexpr):
+        """The aux cursor's next (tile, its first weight row, chunk) in this program's sequence: the tile's
+        coordinates (integer divisions) worked out once per tile, not per chunk (the producer bounds the kernel)."""
         a_t += 1
-        if a_t == a_t1:
-            a_i += gl.num_programs(0)
-            if a_i < total:
-                a_off_n, a_load_m, a_off_m, a_t, a_t1, a_tt, a_piece = _item(a_i, M, N, n_main, n_chunks, splits,
-                                                                             main_items, GROUP)
-        return a_i, a_off_n, a_t, a_t1
+        if a_t == n_chunks:
+            a_t = 0
+            a_tile += gl.num_programs(0)
+            if a_tile < num_tiles:
+                a_off_n, a_load_m, a_off_m = _tile_rows(a_tile, M, N, GROUP)
+        return a_tile, a_off_n, a_t
 
     @gluon.jit
-    def _items(M, N, n_main, splits):
-        """(whole tiles of the first n_main rows, all work items)."""
-        main_items = gl.cdiv(M, _BM) * gl.cdiv(n_main, _BN)
-        return main_items, main_items + splits * gl.cdiv(M, _BM) * gl.cdiv(N - n_main, _BN)
-
-    @gluon.jit
-    def _producer(x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, part_ptr, flag_ptr, x_smem, w_smem, wq_smem,
-                  s_smem, z_smem, ready, empty, aux_bar, M, N, K, n_main, splits, stride_om, group_chunk_shift, cfg):
-        """Every chunk of every work item of this program, in order, into the operand ring: x by the copy engine,
-        w_hat converted here from words, scales and zero points the copy engine brought AUX chunks ahead. (Not
-        global loads into registers: the fence that publishes each converted half waits for every load the thread
-        has in flight, which would bring a register prefetch's latency back into every chunk.)"""
+    def _producer(x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, x_smem, w_smem, wq_smem, s_smem, z_smem,
+                  ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift, cfg):
+        """Every chunk of every tile of this program, in order, into the operand ring: x by the copy engine, w_hat
+        converted here from words, scales and zero points the copy engine brought AUX chunks ahead. (Not global
+        loads into registers: the fence that publishes each converted half waits for every load the thread has
+        in flight, which would bring a register prefetch's latency back into every chunk.)"""
         DT: gl.constexpr = x_desc.dtype
         AUX: gl.constexpr = cfg.AUX
         # a thread holds 8 consecutive words of a row: each field becomes 8 consecutive k (one 16-byte store)
         w_l: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
         row_l: gl.constexpr = gl.SliceLayout(1, w_l)
+        num_tiles = gl.cdiv(M, _BM) * gl.cdiv(N, _BN)
         n_chunks = gl.cdiv(K, _CHUNK)
-        main_items, total = _items(M, N, n_main, splits)
-        # the aux cursor walks this program's (item, chunk) sequence AUX chunks ahead of the conversion
-        a_i = gl.program_id(0)  # the grid has at most `total` programs
-        a_off_n, a_load_m, a_off_m, a_t, a_t1, a_tt, a_piece = _item(a_i, M, N, n_main, n_chunks, splits,
-                                                                     main_items, cfg.GROUP)
+        # the aux cursor walks this program's (tile, chunk) sequence AUX chunks ahead of the conversion
+        a_tile = gl.program_id(0)
+        a_off_n, a_load_m, a_off_m = _tile_rows(a_tile, M, N, cfg.GROUP)  # the grid has at most num_tiles programs
+        a_t = 0
         for q in gl.static_range(AUX):
-            if a_i < total:
+            if a_tile < num_tiles:
                 _aux_issue(wq_desc, s_desc, z_desc, wq_smem, s_smem, z_smem, aux_bar, q, a_off_n, a_t,
                            group_chunk_shift, cfg)
-            a_i, a_off_n, a_t, a_t1 = _cursor_next(a_i, a_off_n, a_t, a_t1, total, M, N, n_main, n_chunks, splits,
-                                                   main_items, cfg.GROUP)
+            a_tile, a_off_n, a_t = _cursor_next(a_tile, a_off_n, a_t, n_chunks, num_tiles, M, N, cfg.GROUP)
         q = 0
-        for i in range(gl.program_id(0), total, gl.num_programs(0)):
-            off_n, load_m, off_m, t0, t1, tt, piece = _item(i, M, N, n_main, n_chunks, splits, main_items,
-                                                            cfg.GROUP)
-            for t in range(t0, t1):
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            off_n, load_m, off_m = _tile_rows(tile, M, N, cfg.GROUP)
+            for t in range(n_chunks):
                 slot = q % AUX
                 mbarrier.wait(aux_bar.index(slot), (q // AUX) & 1)
                 words = wq_smem.index(slot).load(w_l)
@@ -362,11 +328,10 @@ if GLUON_AVAILABLE and _aggregate is not None:
                     scale = s
                 _produce_chunk(x_desc, x_smem, w_smem, ready, empty, words, zero, scale, 2 * q, t, load_m, cfg)
                 # the slot's values were converted and published (behind the partition's barrier): refill it
-                if a_i < total:
+                if a_tile < num_tiles:
                     _aux_issue(wq_desc, s_desc, z_desc, wq_smem, s_smem, z_smem, aux_bar, q + AUX, a_off_n, a_t,
                                group_chunk_shift, cfg)
-                a_i, a_off_n, a_t, a_t1 = _cursor_next(a_i, a_off_n, a_t, a_t1, total, M, N, n_main, n_chunks,
-                                                       splits, main_items, cfg.GROUP)
+                a_tile, a_off_n, a_t = _cursor_next(a_tile, a_off_n, a_t, n_chunks, num_tiles, M, N, cfg.GROUP)
                 q += 1
 
     @gluon.jit
@@ -380,63 +345,20 @@ if GLUON_AVAILABLE and _aggregate is not None:
         gl.store(out_ptr + ms.to(gl.int64)[None, :] * stride_om + ns[:, None], res, mask=mask)
 
     @gluon.jit
-    def _pieces(acc):
-        """A [64, 256] accumulator (or a tensor in its layout) as four [64, 64] token pieces, by register renaming
-        (token bits 64 and 128 are register bits of the layout)."""
-        ROWS: gl.constexpr = acc.shape[0]
-        q = gl.permute(gl.reshape(acc, [ROWS, 2, 2, 64]), (0, 3, 1, 2))  # [n, b, a1, a0]: token 128 a1 + 64 a0 + b
-        e0, e1 = gl.split(q)
-        p0, p2 = gl.split(e0)
-        p1, p3 = gl.split(e1)
-        return p0, p1, p2, p3
-
-    @gluon.jit
-    def _partial_offsets(opaque_zero, layout: gl.constexpr):
-        """Offsets of a consumer's float32 [64, 256] partial, element [r, j] where this thread holds it in `layout`
-        (writer and reader run the same layout: each thread reads back what one thread wrote). opaque_zero: a zero
-        the compiler cannot see as one, taken from the loop's state, so that the 128 offsets are formed where they
-        are used, not hoisted out of the loop into 128 live registers (they spilled)."""
-        ROWS: gl.constexpr = _BN // 2
-        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, _BM, layout=gl.SliceLayout(0, layout)) + opaque_zero * _BM
-        return rows[:, None] * _BM + cols[None, :]
-
-    @gluon.jit
-    def _flag_ptrs(flag_ptr, tt, PART: gl.constexpr):
-        """One pointer per thread of the consumer warpgroup to tail tile tt's flag for this consumer."""
-        th_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        return flag_ptr + (tt * 2 + PART) + gl.zeros([128], gl.int32, th_l)
-
-    @gluon.jit
-    def _with_partials(p, part_ptr, first_slot, offs, splits):
-        """Piece p of a tail tile's first K piece plus the same piece of the other K pieces' partials, in piece
-        order (deterministic)."""
-        ROWS: gl.constexpr = _BN // 2
-        for r in range(1, splits):
-            p += gl.load(part_ptr + (first_slot + (r - 1) * 2).to(gl.int64) * (ROWS * _BM) + offs)
-        return p
-
-    @gluon.jit
-    def _consumer(x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, part_ptr, flag_ptr, x_smem, w_smem, wq_smem,
-                  s_smem, z_smem, ready, empty, aux_bar, M, N, K, n_main, splits, stride_om, group_chunk_shift, cfg):
-        """Weight rows 64 PART .. + 64 of each of this program's work items against the tile's 256 tokens. A tail
-        tile's pieces 1.. store their float32 partials and count them on the tile's flag (each thread releases its
-        own stores); piece 0 waits for the count (each thread acquires before its own loads), adds the partials
-        and runs the epilogue."""
+    def _consumer(x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, x_smem, w_smem, wq_smem, s_smem, z_smem,
+                  ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift, cfg):
+        """Weight rows 64 CONSUMER .. + 64 of each of this program's tiles against the tile's 256 tokens."""
         STAGES: gl.constexpr = cfg.STAGES
         ROWS: gl.constexpr = _BN // 2
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, _BM, 16])
-        th_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        num_tiles = gl.cdiv(M, _BM) * gl.cdiv(N, _BN)
         n_chunks = gl.cdiv(K, _CHUNK)
-        main_items, total = _items(M, N, n_main, splits)
         c = 0
-        for i in range(gl.program_id(0), total, gl.num_programs(0)):
-            off_n, load_m, off_m, t0, t1, tt, piece = _item(i, M, N, n_main, n_chunks, splits, main_items,
-                                                            cfg.GROUP)
-            halves = 2 * (t1 - t0)
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            off_n, load_m, off_m = _tile_rows(tile, M, N, cfg.GROUP)
             acc = gl.zeros([ROWS, _BM], gl.float32, mma)
-            for h in range(halves):
+            for h in range(2 * n_chunks):
                 slot = (c + h) % STAGES
                 mbarrier.wait(ready.index(slot), ((c + h) // STAGES) & 1)
                 acc = warpgroup_mma(w_smem.index(slot).slice(cfg.PART * ROWS, ROWS),
@@ -445,54 +367,29 @@ if GLUON_AVAILABLE and _aggregate is not None:
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty.index((c + h + STAGES - 1) % STAGES), count=1, pred=h > 0)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(empty.index((c + halves - 1) % STAGES), count=1)
-            c += halves
+            mbarrier.arrive(empty.index((c + 2 * n_chunks - 1) % STAGES), count=1)
+            c += 2 * n_chunks
 
             n_idx = off_n + cfg.PART * ROWS
-            if cfg.HAS_BIAS and not (cfg.SPLIT and piece > 0):
+            if cfg.HAS_BIAS:
                 ns = n_idx + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
                 acc += gl.load(bias_ptr + ns, mask=ns < N, other=0.0).to(gl.float32)[:, None]
-            p0, p1, p2, p3 = _pieces(acc)
-            if cfg.SPLIT:
-                o0, o1, o2, o3 = _pieces(_partial_offsets(i >> 31, mma))
-                first_slot = (tt * (splits - 1)) * 2 + cfg.PART  # tail tile tt's partial of piece 1 (this part)
-            if cfg.SPLIT and piece > 0:
-                base = part_ptr + (first_slot + (piece - 1) * 2).to(gl.int64) * (ROWS * _BM)
-                gl.store(base + o0, p0)
-                gl.store(base + o1, p1)
-                gl.store(base + o2, p2)
-                gl.store(base + o3, p3)
-                gl.atomic_add(_flag_ptrs(flag_ptr, tt, cfg.PART), gl.full([128], 1, gl.int32, th_l),
-                              sem="release", scope="gpu")
-            else:
-                if cfg.SPLIT and tt >= 0:
-                    # the other pieces run in the same wave: this rarely waits long
-                    fp = _flag_ptrs(flag_ptr, tt, cfg.PART)
-                    seen = gl.atomic_add(fp, gl.zeros([128], gl.int32, th_l), sem="acquire", scope="gpu")
-                    while gl.min(seen, 0) < 128 * (splits - 1):
-                        seen = gl.atomic_add(fp, gl.zeros([128], gl.int32, th_l), sem="acquire", scope="gpu")
-                    # piece by piece: each piece's loads after the store before (all at once would not fit)
-                    p0 = _with_partials(p0, part_ptr, first_slot, o0, splits)
-                    _store_piece(p0, n_idx, load_m, M, N, off_m, out_ptr, stride_om)
-                    p1 = _with_partials(p1, part_ptr, first_slot, o1, splits)
-                    _store_piece(p1, n_idx, load_m + 64, M, N, off_m, out_ptr, stride_om)
-                    p2 = _with_partials(p2, part_ptr, first_slot, o2, splits)
-                    _store_piece(p2, n_idx, load_m + 128, M, N, off_m, out_ptr, stride_om)
-                    p3 = _with_partials(p3, part_ptr, first_slot, o3, splits)
-                    _store_piece(p3, n_idx, load_m + 192, M, N, off_m, out_ptr, stride_om)
-                else:
-                    _store_piece(p0, n_idx, load_m, M, N, off_m, out_ptr, stride_om)
-                    _store_piece(p1, n_idx, load_m + 64, M, N, off_m, out_ptr, stride_om)
-                    _store_piece(p2, n_idx, load_m + 128, M, N, off_m, out_ptr, stride_om)
-                    _store_piece(p3, n_idx, load_m + 192, M, N, off_m, out_ptr, stride_om)
+            # four 64-token pieces by register renaming (token bits 64 and 128 are register bits of the layout)
+            q = gl.permute(gl.reshape(acc, [ROWS, 2, 2, 64]), (0, 3, 1, 2))  # [n, b, a1, a0]: token 128 a1 + 64 a0 + b
+            e0, e1 = gl.split(q)
+            p0, p2 = gl.split(e0)
+            p1, p3 = gl.split(e1)
+            _store_piece(p0, n_idx, load_m, M, N, off_m, out_ptr, stride_om)
+            _store_piece(p1, n_idx, load_m + 64, M, N, off_m, out_ptr, stride_om)
+            _store_piece(p2, n_idx, load_m + 128, M, N, off_m, out_ptr, stride_om)
+            _store_piece(p3, n_idx, load_m + 192, M, N, off_m, out_ptr, stride_om)
 
     @gluon.jit
     def _wo_ws_kernel(
-        x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, part_ptr, flag_ptr,
-        M, N, K, n_main, splits, stride_om, group_chunk_shift,
+        x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr,
+        M, N, K, stride_om, group_chunk_shift,
         HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SCALE16: gl.constexpr, STAGES: gl.constexpr,
-        AUX: gl.constexpr, GROUP: gl.constexpr, SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
+        AUX: gl.constexpr, GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         DT: gl.constexpr = x_desc.dtype
         gl.static_assert(x_desc.block_type.shape[0] == _BM, "x boxes of BLOCK_M tokens")
@@ -513,10 +410,10 @@ if GLUON_AVAILABLE and _aggregate is not None:
             mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
         for s in gl.static_range(AUX):
             mbarrier.init(aux_bar.index(s), count=1)
-        shared = (x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, part_ptr, flag_ptr, x_smem, w_smem, wq_smem,
-                  s_smem, z_smem, ready, empty, aux_bar, M, N, K, n_main, splits, stride_om, group_chunk_shift)
-        args0 = shared + (_WsFlags(HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, 0, AUX, SPLIT), )
-        args1 = shared + (_WsFlags(HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, 1, AUX, SPLIT), )
+        shared = (x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, x_smem, w_smem, wq_smem, s_smem, z_smem,
+                  ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift)
+        args0 = shared + (_WsFlags(HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, 0, AUX), )
+        args1 = shared + (_WsFlags(HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, 1, AUX), )
         gl.warp_specialize([(_producer, args0), (_consumer, args0), (_consumer, args1)], [4, 4],
                            [CONSUMER_REGS, CONSUMER_REGS])
 
@@ -534,14 +431,10 @@ def _row_descriptor(t: torch.Tensor, block):
 
 
 def ws_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int, config: Optional[WsW4Config] = None,
-             tail: Optional[Tuple["_ww.WgmmaW4Config", "_ww.TailSplit"]] = None,
-             tail_in_kernel: bool = True, programs: Optional[int] = None) -> torch.Tensor:
+             tail: Optional[Tuple["_ww.WgmmaW4Config", "_ww.TailSplit"]] = None) -> torch.Tensor:
     """out [M, N] = x2d @ w_hat.T (+ bias) for int4 codes; the caller checked `applies` and validated the
-    arguments. tail (`tail_plan`): the split's first main_tiles_n column tiles run as whole tiles and the rest split
-    over K (`weight_only_wgmma._ways(K, splits)` pieces): in this kernel's last wave where the whole tiles fill
-    whole waves and the pieces one more (`_item`), else (or tail_in_kernel=False) by `weight_only_wgmma.run_tail`
-    with that config; None: the whole product as whole tiles. programs: at most this many programs (default one
-    per SM; the tests split small products with fewer)."""
+    arguments. tail (`tail_plan`): this kernel runs the split's first main_tiles_n column tiles and
+    `weight_only_wgmma.run_tail` the rest, split over K, with that config; None: the whole product here."""
     cfg = config or WsW4Config()
     check_config(cfg, scales.element_size(), zeros is not None)
     m, k = x2d.shape
@@ -551,39 +444,21 @@ def ws_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int, config:
     if tail is not None:
         _ww._check_tail(tail[1], n, k, tail[0])
     n_main = n if tail is None else tail[1].main_tiles_n * BLOCK_N
-    if programs is not None and programs < 1:
-        raise ValueError(f"programs: expected None or >= 1, got {programs}")
-    sms = min(sm_count(x2d.device), programs or sm_count(x2d.device))
-    main_items = cdiv(m, BLOCK_M) * cdiv(n_main, BLOCK_N)
-    splits = 1 if tail is None else _ww._ways(k, tail[1].splits)
-    pieces = 0 if tail is None else splits * cdiv(m, BLOCK_M) * cdiv(n - n_main, BLOCK_N)
-    grid = max(1, min(main_items + pieces, sms))
-    # every piece of a tail tile in the last wave, beside the others (a piece 0 waits for them): no deadlock
-    split = tail is not None and tail_in_kernel and splits > 1 and main_items % grid == 0 and pieces <= grid
-    if split:
-        rows = n
-        part = torch.empty(((pieces // splits) * (splits - 1) * 2, BLOCK_N // 2, BLOCK_M), dtype=torch.float32,
-                           device=x2d.device)
-        flags = torch.zeros(((pieces // splits) * 2, ), dtype=torch.int32, device=x2d.device)
-    else:
-        rows, splits = n_main, 1
-        grid = max(1, min(main_items, sms))
-        part, flags = scales, scales  # unused
-    # the kernel's N rows as views: descriptors and pointers keep the full tensors' strides
-    qw_k = qweight[:rows]
-    s_k = scales[:, :rows]
-    z_k = None if zeros is None else zeros[:, :rows]
+    # the main columns as views (the kernel's N): descriptors and pointers keep the full tensors' strides
+    qw_main = qweight[:n_main]
+    s_main = scales[:, :n_main]
+    z_main = None if zeros is None else zeros[:, :n_main]
     group_chunk_shift = 30 if scales.shape[0] == 1 else (group_size // CHUNK).bit_length() - 1
-    s_desc = _row_descriptor(s_k, [1, BLOCK_N])
-    launch_kernel(_wo_ws_kernel, (grid, ),
-        x_descriptor(x2d), _row_descriptor(qw_k, [BLOCK_N, WORDS_PER_CHUNK]), s_desc,
-        _row_descriptor(z_k, [1, BLOCK_N]) if z_k is not None else s_desc,
-        bias if bias is not None else scales, out, part, flags, m, rows, k, n_main, splits, out.stride(0),
-        group_chunk_shift,
+    tiles = cdiv(m, BLOCK_M) * cdiv(n_main, BLOCK_N)
+    s_desc = _row_descriptor(s_main, [1, BLOCK_N])
+    launch_kernel(_wo_ws_kernel, (max(1, min(tiles, sm_count(x2d.device))),),
+        x_descriptor(x2d), _row_descriptor(qw_main, [BLOCK_N, WORDS_PER_CHUNK]), s_desc,
+        _row_descriptor(z_main, [1, BLOCK_N]) if z_main is not None else s_desc,
+        bias if bias is not None else scales, out, m, n_main, k, out.stride(0), group_chunk_shift,
         HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SCALE16=scales.dtype == x2d.dtype,
-        STAGES=cfg.stages, AUX=cfg.aux_stages, GROUP=cfg.group, SPLIT=split, CONSUMER_REGS=cfg.consumer_regs,
-        num_warps=4, maxnreg=cfg.maxnreg,
+        STAGES=cfg.stages, AUX=cfg.aux_stages, GROUP=cfg.group, CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+        maxnreg=cfg.maxnreg,
     )
-    if tail is not None and not split:
+    if tail is not None:
         _ww.run_tail(out, x2d, qweight, scales, zeros, bias, group_size, n, tail[0], tail[1])
     return out
