@@ -40,6 +40,17 @@ with bfloat16 scales and 1.01-1.16x with float32 scales at M = 1024 and 2048; 0.
 Wave quantization: where `weight_only_wgmma.plan` splits the last wave's column tiles over K (`TailSplit`, same
 256 x 128 tile), this kernel runs the whole waves and `weight_only_wgmma.run_tail` the rest (`tail_plan`).
 
+Tried on the H100 and dropped (same-call A/Bs, bit-identical or within the bound, GPU tests passed on each):
+- stream-K (every program an even share of all tiles' chunks, cut tiles fixed up through float32 partials and a
+  release / acquire flag): 0.80-0.99x; programs starting at different K chunks read x and the weight from DRAM
+  again (ncu: about 136 MB against 64 MB at K4096 N6144 M2048; results/tune_weight_only_ws_stream_k.json);
+- the tail split inside this kernel (the tail tiles' K pieces side by side in the last wave, piece 0 adding the
+  others' partials behind a flag): 0.86-1.00x run_tail (results/tune_weight_only_ws_tail_in_kernel.json);
+- converting chunk q + 1 before publishing chunk q (to hide the proxy fence's wait): 0.88-1.00x, the consumers
+  then see one published chunk of the two-chunk ring (results/tune_weight_only_ws_fence_pipelined.json);
+- 136 / 152 producer registers (consumers 184 / 176): 0.88-1.03x (results/tune_weight_only_ws_regs.json);
+- a second producer warpgroup: 16 warps cap the registers at 128, the consumers' 64x256 float32 wgmma needs 154.
+
 Scope (`applies`): as `weight_only_wgmma.applies`, M >= 256 (the tile's token rows; the last tile moved back to end
 at M), packed words, scales and zero points the copy engine can read (16-byte aligned rows). The Triton interpreter
 has no Gluon: the `tl` kernels are the executable twins.
