@@ -94,7 +94,9 @@ def test_sm90_build_converts_in_its_own_warpgroup(build, tmp_path):
     assert len(hgmma) == 8, len(hgmma)  # 2 consumers x 4 K slices of 16 (one 64-deep half chunk)
     assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1\b", sass)
     assert len(re.findall(r"\bSTS\.128\b", sass)) == 16
-    assert len(re.findall(r"\bFENCE\.VIEW\.ASYNC\.S\b", sass)) <= 2
+    # the fences that order the mbarrier initialisations (the preamble, once) are not counted: how many ptxas
+    # emits there depends on the code around them (one per barrier pair in some builds)
+    assert len(re.findall(r"\bFENCE\.VIEW\.ASYNC\.S\b(?!(?:[^\n]*\n){1,3}[^\n]*SYNCS\.EXCH)", sass)) <= 2
     assert len(re.findall(r"\bUTMALDG\b", sass)) >= 4  # x (two halves), words, scales (and zero points)
     assert len(re.findall(r"\bLDG\b", sass)) <= 4, "global loads other than the bias"
     assert not re.search(r"\b(STL|LDL)\b", sass), "register spills"
