@@ -427,6 +427,12 @@ def _check_tail(tail: TailSplit, n: int, k: int, cfg: WgmmaW4Config) -> None:
                          f"rows and 2 <= splits <= {cdiv(k, CHUNK)} chunks, got {tail}")
 
 
+def group_chunk_shift(scales: torch.Tensor, group_size: int) -> int:
+    """chunk >> this is the chunk's group (groups of a power of two of whole chunks); per channel a shift that
+    sends every chunk to group 0."""
+    return 30 if scales.shape[0] == 1 else (group_size // CHUNK).bit_length() - 1
+
+
 def _launch(x_desc, qweight, scales, zeros, bias, dst, m: int, n: int, k: int, group_size: int,
             cfg: WgmmaW4Config, n_first: int, n_count: int, ways: int) -> None:
     """Weight rows n_first .. n_first + n_count (n_first a multiple of block_n) into dst: out itself (ways 1, bias
@@ -434,10 +440,10 @@ def _launch(x_desc, qweight, scales, zeros, bias, dst, m: int, n: int, k: int, g
     total = cdiv(k, CHUNK)
     split = ways > 1
     has_bias = bias is not None and not split
-    group_chunk_shift = 30 if scales.shape[0] == 1 else (group_size // CHUNK).bit_length() - 1
     launch_kernel(_wo_wgmma_kernel, (cdiv(m, cfg.block_m) * cdiv(n_count, cfg.block_n), ways),
         x_desc, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales, dst,
-        m, n, k, qweight.stride(0), dst.stride(-2), cdiv(total, ways), group_chunk_shift, n_first // cfg.block_n,
+        m, n, k, qweight.stride(0), dst.stride(-2), cdiv(total, ways), group_chunk_shift(scales, group_size),
+        n_first // cfg.block_n,
         n_count,
         HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, SPLIT=split, SCALE16=scales.dtype == x_desc.base.dtype,
         STAGES=cfg.stages, GROUP=cfg.group, num_warps=cfg.num_warps,
@@ -451,17 +457,19 @@ def _ways(k: int, wanted: int) -> int:
 
 
 def run_tail(out, x2d, qweight, scales, zeros, bias, group_size: int, n: int, cfg: WgmmaW4Config,
-             tail: "TailSplit") -> None:
+             tail: "TailSplit", x_desc=None) -> None:
     """`tail`'s columns (weight rows from tail.main_tiles_n x block_n on) of out = x2d @ w_hat.T (+ bias), split
-    over K and reduced: the second launch of a tail split, whichever kernel ran the first."""
+    over K and reduced: the second launch of a tail split, whichever kernel ran the first. x_desc: x2d's
+    descriptor in [block_m, 64] boxes where the first launch built it."""
     from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
 
     m, k = x2d.shape
     n_main = tail.main_tiles_n * cfg.block_n
     ways = _ways(k, tail.splits)
     part = torch.empty((ways, m, n - n_main), dtype=torch.float32, device=x2d.device)
-    _launch(_x_descriptor(x2d, cfg.block_m), qweight, scales, zeros, bias, part, m, n, k, group_size, cfg, n_main,
-            n - n_main, ways)
+    if x_desc is None:
+        x_desc = _x_descriptor(x2d, cfg.block_m)
+    _launch(x_desc, qweight, scales, zeros, bias, part, m, n, k, group_size, cfg, n_main, n - n_main, ways)
     splitk_reduce(part, None if bias is None else bias[n_main:], out[:, n_main:])
 
 
@@ -498,5 +506,5 @@ def wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
         _launch(x_desc, qweight, scales, zeros, bias, part, m, n, k, group_size, cfg, 0, n, ways)
         splitk_reduce(part, bias, out)
     if tail is not None:
-        run_tail(out, x2d, qweight, scales, zeros, bias, group_size, n, cfg, tail)
+        run_tail(out, x2d, qweight, scales, zeros, bias, group_size, n, cfg, tail, x_desc)
     return out

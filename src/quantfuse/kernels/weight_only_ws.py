@@ -121,8 +121,9 @@ def check_config(cfg: WsW4Config, scale_bytes: int = 4, has_zero: bool = True) -
 # Where weight_only_mm runs this kernel (`prefer`): M from min_m to max_m, where the product fills the SMs without a
 # split over K, float32 or 16-bit scales. H100 (results/tune_weight_only_ws.json, one run, five Llama-3 shapes):
 # 1.01-1.16x weight_only_wgmma at M = 1024 and 2048 and ahead of dequantize + cuBLAS on 18 of 20 rows (4096x6144 at
-# M = 2048 with float32 scales 166 vs 160 us, 14336x4096 at 2048 with bf16 scales 369 vs 372); at M = 4096 dequantize
-# + cuBLAS led the earlier version (0.91-0.96x it for this kernel; not re-measured).
+# M = 2048 with float32 scales 166 vs 160 us, 14336x4096 at 2048 with bf16 scales 369 vs 372); at M = 1536 ahead or
+# tied on 9 of 10, at M = 4096 dequantize + cuBLAS ahead on 9 of 10 (this kernel 0.92-1.01x it;
+# results/tune_weight_only_ws_m1536_m4096.json).
 WS_W4_DISPATCH: Dict[str, Dict[str, int]] = {
     "sm90": dict(min_m=1024, max_m=2048),
 }
@@ -459,17 +460,18 @@ def ws_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int, config:
     qw_main = qweight[:n_main]
     s_main = scales[:, :n_main]
     z_main = None if zeros is None else zeros[:, :n_main]
-    group_chunk_shift = 30 if scales.shape[0] == 1 else (group_size // CHUNK).bit_length() - 1
     tiles = cdiv(m, BLOCK_M) * cdiv(n_main, BLOCK_N)
     s_desc = _row_descriptor(s_main, [1, BLOCK_N])
+    x_desc = x_descriptor(x2d)  # the same [256, 64] boxes as the tail launch's (same tile): built once
     launch_kernel(_wo_ws_kernel, (max(1, min(tiles, sm_count(x2d.device))),),
-        x_descriptor(x2d), _row_descriptor(qw_main, [BLOCK_N, WORDS_PER_CHUNK]), s_desc,
+        x_desc, _row_descriptor(qw_main, [BLOCK_N, WORDS_PER_CHUNK]), s_desc,
         _row_descriptor(z_main, [1, BLOCK_N]) if z_main is not None else s_desc,
-        bias if bias is not None else scales, out, m, n_main, k, out.stride(0), group_chunk_shift,
+        bias if bias is not None else scales, out, m, n_main, k, out.stride(0),
+        _ww.group_chunk_shift(scales, group_size),
         HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SCALE16=scales.dtype == x2d.dtype,
         STAGES=cfg.stages, AUX=cfg.aux_stages, GROUP=cfg.group, CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
         maxnreg=cfg.maxnreg,
     )
     if tail is not None:
-        _ww.run_tail(out, x2d, qweight, scales, zeros, bias, group_size, n, tail[0], tail[1])
+        _ww.run_tail(out, x2d, qweight, scales, zeros, bias, group_size, n, tail[0], tail[1], x_desc)
     return out
