@@ -99,5 +99,109 @@ def main() -> None:
                   "dequantize + cuBLAS and bf16", rows, COLUMNS, notes)
 
 
+SMALL_COLUMNS = ["scales", "K", "N", "M", "cfg", "splits", "us", "ours_us", "ours_path", "bf16_us", "vs_bf16",
+                 "vs_ours"]
+# WS_SMALL=1: the kernel's small-M shapes (128 or 64 tokens per tile, one or two producer warpgroups) over forced
+# K splits, against the shipped dispatch and bf16, at M in WS_SMALL_MS (default 32, 64, 128)
+SMALL_MS = [int(v) for v in os.environ.get("WS_SMALL_MS", "32,64,128").split(",")]
+SMALL_SPLITS = [int(v) for v in os.environ.get("WS_SMALL_SPLITS", "1,2,3,4,6,8").split(",")]
+SMALL_SCALES = [getattr(torch, v) for v in os.environ.get("WS_SMALL_SCALES", "float32").split(",")]
+
+
+SMALL_CFGS = os.environ.get("WS_SMALL_CFGS", "p4a2,p8a4").split(",")
+
+
+def small_configs(m: int):
+    """WS_SMALL_CFGS: p<producer warps>a<aux stages>, 64 tokens per tile up to M = 64 else 128, the most operand
+    stages that fit beside them; m256: the prefill tile as shipped."""
+    block_m = 64 if m <= 64 else 128
+    out = {}
+    for spec in SMALL_CFGS:
+        if spec == "m256":  # the prefill tile as shipped
+            out[spec] = wws.WsW4Config()
+            continue
+        pw, aux = (int(v) for v in spec[1:].split("a"))
+        regs = dict(consumer_regs=block_m // 2 + 48, maxnreg=128) if pw == 8 else \
+            dict(consumer_regs=block_m // 2 + 96, maxnreg=168)
+        cfg = None
+        for stages in range(2, 16):
+            try:
+                wws.check_config(wws.WsW4Config(block_m=block_m, producer_warps=pw, aux_stages=aux, stages=stages,
+                                                **regs), 4, True, True)
+                cfg = wws.WsW4Config(block_m=block_m, producer_warps=pw, aux_stages=aux, stages=stages, **regs)
+            except ValueError:
+                break
+        if cfg is not None:
+            out[f"m{block_m}{spec}s{cfg.stages}"] = cfg
+    return out
+
+
+def _ours_path(m, n, k, sms, scale16) -> str:
+    if kw.prefer_gemv_mma(m, n, k) and m <= 16:
+        return "gemv_mma"
+    if wws.prefer(m, n, k, "sm90", sms):
+        return "ws"
+    if ww.prefer(m, n, k, "sm90", scale16):
+        return "wgmma"
+    if m >= kw._table(torch.device("cuda"))["cublas_min_m"]:
+        return "dequant+cublas"
+    if getattr(wws, "prefer_small", None) and wws.prefer_small(m, n, k, "sm90", sms):
+        return "ws small"
+    return "fused"
+
+
+def small_sweep() -> None:
+    dev = torch.device("cuda")
+    sms = kw._num_sms(dev)
+    rows = []
+    for sdt in SMALL_SCALES:
+        for k, n in LLAMA_KN:
+            qw = qf.quantize_weight(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=128, scale_dtype=sdt)
+            wbytes = qw.qweight.numel() * 4 + qw.scales.numel() * qw.scales.element_size()
+            qws = [qw] + [_clone(qw) for _ in range(common.rotation_count(wbytes) - 1)]
+            w_hat = qw.dequantize(BF16)
+            lins = [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
+            n_chunks = -(-k // 128)
+            for m in SMALL_MS:
+                x = torch.randn(m, k, device=dev, dtype=BF16)
+                fns = {"ours": (lambda x, q: qf.weight_only_mm(x, q), [(x, q) for q in qws]),
+                       "bf16": (lambda x, w: F.linear(x, w), [(x, w) for w in lins])}
+                for name, cfg in small_configs(m).items():
+                    for sp in SMALL_SPLITS:
+                        if sp > n_chunks:
+                            continue
+                        if name == "m256" and sp > 1:  # float32 partials: a larger epilogue scratch
+                            cfg = wws.WsW4Config(stages=3)
+                        fns[(name, sp)] = ((lambda x, q, cfg=cfg, sp=sp: wws.ws_w4_mm(
+                            x, q.qweight, q.scales, q.zeros, None, 128, n, config=cfg, splits=sp)),
+                            [(x, q) for q in qws])
+                times = {key: [] for key in fns}
+                for r in range(ROUNDS):
+                    for key in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+                        fn, sets = fns[key]
+                        times[key].append(common.time_ms(fn, sets, graph=True, warmup=10, rep=40) * 1e3)
+                ours, bf16 = min(times["ours"]), min(times["bf16"])
+                for key, v in times.items():
+                    if not isinstance(key, tuple):
+                        continue
+                    row = dict(scales=str(sdt).replace("torch.", ""), K=k, N=n, M=m, cfg=key[0], splits=key[1],
+                               us=min(v), ours_us=ours, ours_path=_ours_path(m, n, k, sms, sdt == BF16),
+                               bf16_us=bf16)
+                    row["vs_bf16"] = bf16 / row["us"]
+                    row["vs_ours"] = ours / row["us"]
+                    rows.append(row)
+                best = max((r for r in rows if (r["K"], r["N"], r["M"], r["scales"]) ==
+                            (k, n, m, str(sdt).replace("torch.", ""))), key=lambda r: r["vs_bf16"])
+                common.print_row(best)
+            del qws, lins, w_hat
+            torch.cuda.empty_cache()
+    notes = (f"W4A16 g128 sym, bf16 x; CUDA graphs, weights rotated past L2; each time the minimum of {ROUNDS} "
+             "alternated rounds. us: weight_only_ws.ws_w4_mm with config cfg (m<tokens per tile>p<producer warps>) "
+             "and forced K splits; ours_us: quantfuse.weight_only_mm as shipped (ours_path).")
+    common.finish(os.environ.get("WS_SMALL_NAME", "tune_weight_only_ws_small"),
+                  "Weight-only INT4 at M <= 128: the warp-specialized kernel's small tiles vs the shipped dispatch",
+                  rows, SMALL_COLUMNS, notes)
+
+
 if __name__ == "__main__":
-    main()
+    small_sweep() if os.environ.get("WS_SMALL") == "1" else main()
