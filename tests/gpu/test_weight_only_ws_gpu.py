@@ -28,18 +28,10 @@ DEV = "cuda"
 TILE_CFG = next(c for c in ww.all_configs("sm90") if (c.block_m, c.block_n) == (ws.BLOCK_M, ws.BLOCK_N))
 
 
-# the small-M shapes of the kernel: 128 or 64 tokens per tile, one or two producer warpgroups
-SMALL_CFGS = [ws.WsW4Config(block_m=128, producer_warps=8, consumer_regs=112, maxnreg=128, stages=4),
-              ws.WsW4Config(block_m=64, producer_warps=8, consumer_regs=104, maxnreg=128, stages=6, aux_stages=4),
-              ws.WsW4Config(block_m=128, consumer_regs=160, maxnreg=168),
-              ws.WsW4Config(block_m=64, consumer_regs=152, maxnreg=168, stages=6)]
-SMALL_IDS = ["m128p8", "m64p8", "m128p4", "m64p4"]
-
-
-def _run(x, qw, bias=None, tail=None, cfg=None, splits=1):
+def _run(x, qw, bias=None, tail=None):
     assert ws.applies(x, qw.qweight, qw.scales, 4, qw.group_size, qw.zeros)
     return ws.ws_w4_mm(x, qw.qweight, qw.scales, qw.zeros, bias, qw.group_size, qw.shape[0],
-                       tail=None if tail is None else (TILE_CFG, tail), config=cfg, splits=splits)
+                       tail=None if tail is None else (TILE_CFG, tail))
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
@@ -138,56 +130,3 @@ def test_dispatch_graph_and_fallback(monkeypatch):
     assert calls == [(1024, plan)] and torch.equal(y, _run(x, qw, tail=plan[1]))
     x2, y2 = _graph_replayed(x, qw)
     assert torch.equal(y2, _run(x2, qw, tail=plan[1]))
-
-
-@pytest.mark.parametrize("cfg", SMALL_CFGS, ids=SMALL_IDS)
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"g{s[0]}{'s' if s[1] else 'a'}-{str(s[2])[6:]}")
-def test_small_tiles_identity_rows_bit_for_bit(scheme, cfg):
-    """Split over K (partials reduced by the reduce kernel) or not, every token count up to past the tile, each
-    output is one exact product: w_hat bit for bit."""
-    k, n = 392, 264
-    dtype = BF16 if cfg.producer_warps == 8 else FP16
-    qw = _quantized(n, k, scheme, dtype)
-    w_hat = qw.dequantize(dtype)
-    for rows, splits in ((range(0, 1), 1), (range(3, 70), 2), (range(100, 100 + cfg.block_m), 4),
-                         (range(0, k), 3)):
-        rows = torch.tensor(list(rows), device=DEV)
-        x = torch.zeros(len(rows), k, device=DEV, dtype=dtype)
-        x[torch.arange(len(rows), device=DEV), rows] = 1
-        y = _run(x, qw, cfg=cfg, splits=splits)
-        bad = int((y != w_hat[:, rows].t()).sum())
-        assert bad == 0, f"{len(rows)} rows, splits={splits}: {bad} outputs differ from w_hat"
-
-
-@pytest.mark.parametrize("cfg", SMALL_CFGS, ids=SMALL_IDS)
-@pytest.mark.parametrize("k,n,ms,splits", [(4096, 6144, [1, 33, 64, 128], 3), (7392, 264, [17, 128], 5),
-                                           (256, 128, [100], 1), (14336, 4096, [65, 128], 2)])
-def test_small_tiles_random_x_within_bound(k, n, ms, splits, cfg):
-    for si, scheme in enumerate(SCHEMES):
-        if scheme[0] > 0 and k < scheme[0]:
-            continue
-        dtype = BF16 if si % 2 == 0 else FP16
-        qw = _quantized(n, k, scheme, dtype)
-        bias = torch.randn(n, device=DEV).to(dtype)
-        for m in ms:
-            x = torch.randn(m, k, device=DEV).to(dtype)
-            y = _run(x, qw, bias, cfg=cfg, splits=splits)
-            _check_bound(y, x, qw, bias, f"ws {cfg} g{scheme[0]} K{k}N{n}M{m} splits {splits}")
-
-
-@pytest.mark.parametrize("cfg", SMALL_CFGS[:2], ids=SMALL_IDS[:2])
-def test_small_tiles_special_rows_stay_in_their_rows(cfg):
-    special_rows_checked(lambda x, qw: torch.cat([_run(x[i:i + 100], qw, cfg=cfg, splits=2)
-                                                  for i in range(0, 300, 100)]),
-                         _quantized(1024, 4096, SCHEMES[1], BF16))
-
-
-def test_bad_splits_refused():
-    qw = _quantized(520, 392, SCHEMES[1], BF16)
-    x = torch.randn(64, 392, device=DEV).to(BF16)
-    for bad in (0, 2.0):
-        with pytest.raises(ValueError, match="splits"):
-            _run(x, qw, cfg=SMALL_CFGS[1], splits=bad)
-    with pytest.raises(ValueError, match="splits"):
-        ws.ws_w4_mm(torch.randn(300, 392, device=DEV).to(BF16), qw.qweight, qw.scales, qw.zeros, None, 128, 520,
-                    tail=(TILE_CFG, ww.TailSplit(1, 2)), splits=2)

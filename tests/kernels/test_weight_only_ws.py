@@ -63,22 +63,20 @@ def test_fields_ptx_is_one_lop3_per_field():
         assert f"{0xF << (4 * f):#010x}, 0x4b000000, 0xea" in ptx
 
 
-def _compile_sm90(scale16=False, has_zero=False, cfg=None, split=False):
+def _compile_sm90(scale16=False, has_zero=False):
     """The kernel built for sm90 by this Triton, with the launcher's arguments at aligned shapes."""
     from tests._util import gluon_sm90_build
-    cfg = cfg or ws.WsW4Config()
     x = torch.empty(1024, 4096, dtype=torch.bfloat16)
     w = torch.empty(4096, 512, dtype=torch.int32)
     s = torch.empty(32, 4096, dtype=torch.bfloat16 if scale16 else torch.float32)
     z = torch.empty(32, 4096, dtype=torch.int32)
     s_desc = ws._row_descriptor(s, [1, ws.BLOCK_N])
-    args = dict(x_desc=ws.x_descriptor(x, cfg.block_m),
-                wq_desc=ws._row_descriptor(w, [ws.BLOCK_N, ws.WORDS_PER_CHUNK]),
+    cfg = ws.WsW4Config()
+    args = dict(x_desc=ws.x_descriptor(x), wq_desc=ws._row_descriptor(w, [ws.BLOCK_N, ws.WORDS_PER_CHUNK]),
                 s_desc=s_desc, z_desc=ws._row_descriptor(z, [1, ws.BLOCK_N]) if has_zero else s_desc,
-                bias_ptr=x, out_ptr=torch.empty(4, dtype=torch.float32) if split else x)
-    consts = dict(HAS_ZERO=has_zero, HAS_BIAS=not split, SCALE16=scale16, STAGES=cfg.stages, AUX=cfg.aux_stages,
-                  GROUP=cfg.group, SPLIT=split, CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
-                  PRODUCERS=cfg.producer_warps // 4, PRODUCER_REGS=256 - cfg.consumer_regs)
+                bias_ptr=x, out_ptr=x)
+    consts = dict(HAS_ZERO=has_zero, HAS_BIAS=True, SCALE16=scale16, STAGES=cfg.stages, AUX=cfg.aux_stages,
+                  GROUP=cfg.group, CONSUMER_REGS=cfg.consumer_regs, num_warps=4)
     return gluon_sm90_build(ws._wo_ws_kernel, args, consts,
                             lambda a, _: a.endswith("_ptr") or a in ("N", "K", "stride_om"),
                             num_warps=4, maxnreg=cfg.maxnreg)

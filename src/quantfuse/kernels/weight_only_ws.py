@@ -50,6 +50,11 @@ Tried on the H100 and dropped (same-call A/Bs, bit-identical or within the bound
   then see one published chunk of the two-chunk ring (results/tune_weight_only_ws_fence_pipelined.json);
 - 136 / 152 producer registers (consumers 184 / 176): 0.88-1.03x (results/tune_weight_only_ws_regs.json);
 - a second producer warpgroup: 16 warps cap the registers at 128, the consumers' 64x256 float32 wgmma needs 154.
+- for M = 64 / 128 (issue 5's lines there): 64- or 128-token tiles with split-K over whole chunks, one producer or two
+  taking the chunks in turn: 0.70-0.99x the tl wide tiles on every shape; ~1930 cycles per chunk per SM whatever the
+  tile, aux depth or producer count (ncu: producer issuing on a third of its cycles, waiting on the words' shared
+  loads and the fence + partition barrier); with the 256-token tile and forced splits at M = 256..768, 0.72-1.14x
+  the shipped dispatch (results/tune_weight_only_ws_small.json, tune_weight_only_ws_mid.json; code in 6c125d3).
 
 Scope (`applies`): as `weight_only_wgmma.applies`, M >= 256 (the tile's token rows; the last tile moved back to end
 at M), packed words, scales and zero points the copy engine can read (16-byte aligned rows). The Triton interpreter
@@ -90,50 +95,32 @@ WORDS_PER_CHUNK = 16
 BLOCK_M = 256  # tokens per tile (the wgmma's N)
 BLOCK_N = 128  # weight rows per tile (two consumers x 64)
 SMEM_BYTES = 227 * 1024 - 1024
-
-
-def epilogue_bytes(split: bool) -> int:
-    """The consumers' layout-conversion scratch: a 64x64 piece each, float32 where the kernel writes split-K
-    partials, else 16-bit."""
-    return 2 * 64 * 64 * (4 if split else 2)
+EPILOGUE_BYTES = 2 * 64 * 64 * 2  # the consumers' layout-conversion scratch (a 64x64 piece each)
 
 
 @dataclass(frozen=True)
 class WsW4Config:
-    """stages: half-chunk slots of the operand ring (x [block_m, 64] + w_hat [128, 64] 16 KiB each); aux_stages:
+    """stages: half-chunk slots of the operand ring (x [256, 64] 32 KiB + w_hat [128, 64] 16 KiB each); aux_stages:
     chunks of packed words, scales and zero points the copy engine brings ahead of the conversion (8.5-9 KiB
     each); group: weight-row tiles per grouped band; consumer_regs / maxnreg: the register split (setmaxnreg for
-    the consumers; the launch's cap for all warps); block_m: tokens per tile (the wgmma's N: 256 for prefill, 128
-    or 64 for M up to that, with split-K); producer_warps: 4, or 8 (two warpgroups converting, 16 warps in all)
-    where the consumers' smaller accumulators leave them the registers."""
+    the consumers; the launch's cap for all 12 warps)."""
     stages: int = 4
     aux_stages: int = 2
     group: int = 8
     consumer_regs: int = 192
     maxnreg: int = 168
-    block_m: int = 256
-    producer_warps: int = 4
 
 
 def _aux_bytes(scale_bytes: int, has_zero: bool) -> int:
     return BLOCK_N * WORDS_PER_CHUNK * 4 + BLOCK_N * scale_bytes + (BLOCK_N * 4 if has_zero else 0)
 
 
-def check_config(cfg: WsW4Config, scale_bytes: int = 4, has_zero: bool = True, split: bool = False) -> None:
-    slot = (cfg.block_m + BLOCK_N) * HALF * 2
-    room = SMEM_BYTES - epilogue_bytes(split) - cfg.aux_stages * _aux_bytes(scale_bytes, has_zero)
+def check_config(cfg: WsW4Config, scale_bytes: int = 4, has_zero: bool = True) -> None:
+    slot = (BLOCK_M + BLOCK_N) * HALF * 2
+    room = SMEM_BYTES - EPILOGUE_BYTES - cfg.aux_stages * _aux_bytes(scale_bytes, has_zero)
     if cfg.aux_stages < 1 or not 2 <= cfg.stages <= room // slot or cfg.group < 1:
         raise ValueError(f"config: expected aux_stages >= 1, 2 <= stages <= {room // slot} ({slot}-byte slots beside "
                          f"{cfg.aux_stages} aux slots), group >= 1, got {cfg}")
-    # 64 x block_m float32 accumulators per consumer thread: block_m / 2 registers, plus about 26 around them
-    acc_regs = cfg.block_m // 2 + 26
-    warps = cfg.producer_warps + 8
-    if cfg.block_m not in (64, 128, 256) or cfg.producer_warps not in (4, 8):
-        raise ValueError(f"config: expected block_m 64, 128 or 256 and producer_warps 4 or 8, got {cfg}")
-    if warps * 32 * cfg.maxnreg > 65536 or not acc_regs <= cfg.consumer_regs <= 256 \
-            or 256 * cfg.consumer_regs > warps * 32 * cfg.maxnreg - cfg.producer_warps * 32 * 64:
-        raise ValueError(f"config: expected {warps} warps x maxnreg within the 64K register file, consumer_regs from "
-                         f"{acc_regs} (the accumulators) to 256 leaving the producer 64 or more, got {cfg}")
 
 
 # Where weight_only_mm runs this kernel (`prefer`): M from min_m to max_m, where the product fills the SMs without a
@@ -165,7 +152,7 @@ def applies(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits
             zeros: Optional[torch.Tensor] = None) -> bool:
     """Whether the kernel can run the product (module doc): the copy engine also brings the packed words, scales
     and zero points, so those must be describable too; the caller validated the arguments."""
-    return (_aggregate is not None and x2d.shape[0] >= 1
+    return (_aggregate is not None and x2d.shape[0] >= BLOCK_M
             and _ww.applies(x2d, qweight, scales, bits, group_size)
             and all(_rows_describable(t) for t in (qweight, scales, zeros) if t is not None))
 
@@ -190,6 +177,7 @@ if GLUON_AVAILABLE and _aggregate is not None:
 
     _FIELDS_ASM = gl.constexpr(_fields_ptx())
     _WORDS = gl.constexpr(WORDS_PER_CHUNK)
+    _BM = gl.constexpr(BLOCK_M)
     _BN = gl.constexpr(BLOCK_N)
     _CHUNK = gl.constexpr(CHUNK)
     _HALF = gl.constexpr(HALF)
@@ -203,13 +191,11 @@ if GLUON_AVAILABLE and _aggregate is not None:
         SCALE16: gl.constexpr
         STAGES: gl.constexpr
         GROUP: gl.constexpr
-        PART: gl.constexpr  # a consumer: which 64-row half of the tile's weight rows it multiplies; a producer: its index
+        PART: gl.constexpr  # which 64-row half of the tile's weight rows a consumer multiplies (the producer: 0)
         AUX: gl.constexpr  # chunks of words / scales / zero points in flight ahead of the conversion
-        SPLIT: gl.constexpr  # float32 partials of K ranges (out: [splits, M, N]) instead of the output
-        PRODUCERS: gl.constexpr  # producer warpgroups, taking the chunks in turn
 
         @gluon.constexpr_function
-        def __init__(self, HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, PART, AUX, SPLIT, PRODUCERS):
+        def __init__(self, HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, PART, AUX):
             self.HAS_ZERO = gl.constexpr(HAS_ZERO)
             self.HAS_BIAS = gl.constexpr(HAS_BIAS)
             self.SCALE16 = gl.constexpr(SCALE16)
@@ -217,26 +203,15 @@ if GLUON_AVAILABLE and _aggregate is not None:
             self.GROUP = gl.constexpr(GROUP)
             self.PART = gl.constexpr(PART)
             self.AUX = gl.constexpr(AUX)
-            self.SPLIT = gl.constexpr(SPLIT)
-            self.PRODUCERS = gl.constexpr(PRODUCERS)
 
     @gluon.jit
-    def _tile_rows(tile, M, N, BM: gl.constexpr, GROUP: gl.constexpr):
+    def _tile_rows(tile, M, N, GROUP: gl.constexpr):
         """(first weight row, first token row loaded, first token row stored) of a tile: the last token tile moved
         back to end at M (rows shared with the tile before are computed again and not stored; rows the copy engine
         zero-fills run slower than real ones, see weight_only_wgmma)."""
-        pid_n, pid_m = _tile_coords(tile, N, M, _BN, BM, GROUP)
-        off_m = pid_m * BM
-        return pid_n * _BN, gl.maximum(gl.minimum(off_m, M - BM), 0), off_m
-
-    @gluon.jit
-    def _unit_rows(unit, M, N, n_chunks, splits, cps, BM: gl.constexpr, GROUP: gl.constexpr):
-        """A work unit (tile unit // splits, K range unit % splits of cps chunks) as `_tile_rows` plus its chunks
-        [t0, t1)."""
-        tile = unit // splits
-        t0 = (unit - tile * splits) * cps
-        off_n, load_m, off_m = _tile_rows(tile, M, N, BM, GROUP)
-        return off_n, load_m, off_m, t0, gl.minimum(t0 + cps, n_chunks)
+        pid_n, pid_m = _tile_coords(tile, N, M, _BN, _BM, GROUP)
+        off_m = pid_m * _BM
+        return pid_n * _BN, gl.maximum(gl.minimum(off_m, M - _BM), 0), off_m
 
     @gluon.jit
     def _tile4(v0, v1, v2, v3):
@@ -316,68 +291,64 @@ if GLUON_AVAILABLE and _aggregate is not None:
             _tma_load(z_desc, [g, off_n], aux_bar.index(slot), z_smem.index(slot))
 
     @gluon.jit
-    def _cursor_next(a_unit, a_off_n, a_t, a_t1, num_units, M, N, n_chunks, splits, cps, BM: gl.constexpr,
-                     GROUP: gl.constexpr):
-        """The aux cursor's next (unit, its first weight row, chunk, end chunk) in this program's sequence: the
-        unit's coordinates (integer divisions) worked out once per unit, not per chunk (the producer bounds the
-        kernel)."""
+    def _cursor_next(a_tile, a_off_n, a_t, n_chunks, num_tiles, M, N, GROUP: gl.constexpr):
+        """The aux cursor's next (tile, its first weight row, chunk) in this program's sequence: the tile's
+        coordinates (integer divisions) worked out once per tile, not per chunk (the producer bounds the kernel)."""
         a_t += 1
-        if a_t == a_t1:
-            a_unit += gl.num_programs(0)
-            if a_unit < num_units:
-                a_off_n, a_load_m, a_off_m, a_t, a_t1 = _unit_rows(a_unit, M, N, n_chunks, splits, cps, BM, GROUP)
-        return a_unit, a_off_n, a_t, a_t1
+        if a_t == n_chunks:
+            a_t = 0
+            a_tile += gl.num_programs(0)
+            if a_tile < num_tiles:
+                a_off_n, a_load_m, a_off_m = _tile_rows(a_tile, M, N, GROUP)
+        return a_tile, a_off_n, a_t
 
     @gluon.jit
     def _producer(x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, x_smem, w_smem, wq_smem, s_smem, z_smem,
-                  ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift, splits, cps, cfg):
-        """Every chunk of every unit of this program, in order, into the operand ring: x by the copy engine, w_hat
+                  ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift, cfg):
+        """Every chunk of every tile of this program, in order, into the operand ring: x by the copy engine, w_hat
         converted here from words, scales and zero points the copy engine brought AUX chunks ahead. (Not global
         loads into registers: the fence that publishes each converted half waits for every load the thread has
         in flight, which would bring a register prefetch's latency back into every chunk.)"""
         DT: gl.constexpr = x_desc.dtype
-        BM: gl.constexpr = x_desc.block_type.shape[0]
         AUX: gl.constexpr = cfg.AUX
         # a thread holds 8 consecutive words of a row: each field becomes 8 consecutive k (one 16-byte store)
         w_l: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
         row_l: gl.constexpr = gl.SliceLayout(1, w_l)
-        num_units = gl.cdiv(M, BM) * gl.cdiv(N, _BN) * splits
+        num_tiles = gl.cdiv(M, _BM) * gl.cdiv(N, _BN)
         n_chunks = gl.cdiv(K, _CHUNK)
-        # the aux cursor walks this program's (unit, chunk) sequence AUX chunks ahead of the conversion
-        a_unit = gl.program_id(0)  # the grid has at most num_units programs
-        a_off_n, a_load_m, a_off_m, a_t, a_t1 = _unit_rows(a_unit, M, N, n_chunks, splits, cps, BM, cfg.GROUP)
+        # the aux cursor walks this program's (tile, chunk) sequence AUX chunks ahead of the conversion
+        a_tile = gl.program_id(0)
+        a_off_n, a_load_m, a_off_m = _tile_rows(a_tile, M, N, cfg.GROUP)  # the grid has at most num_tiles programs
+        a_t = 0
         for q in gl.static_range(AUX):
-            if a_unit < num_units and q % cfg.PRODUCERS == cfg.PART:  # after these, each refills what it read
+            if a_tile < num_tiles:
                 _aux_issue(wq_desc, s_desc, z_desc, wq_smem, s_smem, z_smem, aux_bar, q, a_off_n, a_t,
                            group_chunk_shift, cfg)
-            a_unit, a_off_n, a_t, a_t1 = _cursor_next(a_unit, a_off_n, a_t, a_t1, num_units, M, N, n_chunks, splits,
-                                                      cps, BM, cfg.GROUP)
+            a_tile, a_off_n, a_t = _cursor_next(a_tile, a_off_n, a_t, n_chunks, num_tiles, M, N, cfg.GROUP)
         q = 0
-        for unit in range(gl.program_id(0), num_units, gl.num_programs(0)):
-            off_n, load_m, off_m, t0, t1 = _unit_rows(unit, M, N, n_chunks, splits, cps, BM, cfg.GROUP)
-            for t in range(t0, t1):
-                if q % cfg.PRODUCERS == cfg.PART:  # this producer's turn (the chunks alternate between producers)
-                    slot = q % AUX
-                    mbarrier.wait(aux_bar.index(slot), (q // AUX) & 1)
-                    words = wq_smem.index(slot).load(w_l)
-                    s = s_smem.index(slot).reshape([_BN]).load(row_l)
-                    if cfg.HAS_ZERO:
-                        z = z_smem.index(slot).reshape([_BN]).load(row_l)
-                    else:
-                        z = gl.full([_BN], 8, gl.int32, row_l)
-                    if cfg.SCALE16:
-                        zero = _magic_zero_pair(z, DT)
-                        scale = _half_pair(s)
-                    else:
-                        zero = z.to(gl.float32)
-                        scale = s
-                    _produce_chunk(x_desc, x_smem, w_smem, ready, empty, words, zero, scale, 2 * q, t, load_m, cfg)
-                    # the slot's values were converted and published (behind the partition's barrier): refill it
-                    if a_unit < num_units:
-                        _aux_issue(wq_desc, s_desc, z_desc, wq_smem, s_smem, z_smem, aux_bar, q + AUX, a_off_n, a_t,
-                                   group_chunk_shift, cfg)
-                a_unit, a_off_n, a_t, a_t1 = _cursor_next(a_unit, a_off_n, a_t, a_t1, num_units, M, N, n_chunks,
-                                                          splits, cps, BM, cfg.GROUP)
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            off_n, load_m, off_m = _tile_rows(tile, M, N, cfg.GROUP)
+            for t in range(n_chunks):
+                slot = q % AUX
+                mbarrier.wait(aux_bar.index(slot), (q // AUX) & 1)
+                words = wq_smem.index(slot).load(w_l)
+                s = s_smem.index(slot).reshape([_BN]).load(row_l)
+                if cfg.HAS_ZERO:
+                    z = z_smem.index(slot).reshape([_BN]).load(row_l)
+                else:
+                    z = gl.full([_BN], 8, gl.int32, row_l)
+                if cfg.SCALE16:
+                    zero = _magic_zero_pair(z, DT)
+                    scale = _half_pair(s)
+                else:
+                    zero = z.to(gl.float32)
+                    scale = s
+                _produce_chunk(x_desc, x_smem, w_smem, ready, empty, words, zero, scale, 2 * q, t, load_m, cfg)
+                # the slot's values were converted and published (behind the partition's barrier): refill it
+                if a_tile < num_tiles:
+                    _aux_issue(wq_desc, s_desc, z_desc, wq_smem, s_smem, z_smem, aux_bar, q + AUX, a_off_n, a_t,
+                               group_chunk_shift, cfg)
+                a_tile, a_off_n, a_t = _cursor_next(a_tile, a_off_n, a_t, n_chunks, num_tiles, M, N, cfg.GROUP)
                 q += 1
 
     @gluon.jit
@@ -392,21 +363,19 @@ if GLUON_AVAILABLE and _aggregate is not None:
 
     @gluon.jit
     def _consumer(x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, x_smem, w_smem, wq_smem, s_smem, z_smem,
-                  ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift, splits, cps, cfg):
-        """Weight rows 64 PART .. + 64 of each of this program's units against the tile's BM tokens."""
+                  ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift, cfg):
+        """Weight rows 64 CONSUMER .. + 64 of each of this program's tiles against the tile's 256 tokens."""
         STAGES: gl.constexpr = cfg.STAGES
-        BM: gl.constexpr = x_desc.block_type.shape[0]
         ROWS: gl.constexpr = _BN // 2
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BM, 16])
-        num_units = gl.cdiv(M, BM) * gl.cdiv(N, _BN) * splits
+                                                      instr_shape=[16, _BM, 16])
+        num_tiles = gl.cdiv(M, _BM) * gl.cdiv(N, _BN)
         n_chunks = gl.cdiv(K, _CHUNK)
         c = 0
-        for unit in range(gl.program_id(0), num_units, gl.num_programs(0)):
-            off_n, load_m, off_m, t0, t1 = _unit_rows(unit, M, N, n_chunks, splits, cps, BM, cfg.GROUP)
-            n_halves = 2 * (t1 - t0)
-            acc = gl.zeros([ROWS, BM], gl.float32, mma)
-            for h in range(n_halves):
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            off_n, load_m, off_m = _tile_rows(tile, M, N, cfg.GROUP)
+            acc = gl.zeros([ROWS, _BM], gl.float32, mma)
+            for h in range(2 * n_chunks):
                 slot = (c + h) % STAGES
                 mbarrier.wait(ready.index(slot), ((c + h) // STAGES) & 1)
                 acc = warpgroup_mma(w_smem.index(slot).slice(cfg.PART * ROWS, ROWS),
@@ -415,46 +384,34 @@ if GLUON_AVAILABLE and _aggregate is not None:
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty.index((c + h + STAGES - 1) % STAGES), count=1, pred=h > 0)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(empty.index((c + n_halves - 1) % STAGES), count=1)
-            c += n_halves
+            mbarrier.arrive(empty.index((c + 2 * n_chunks - 1) % STAGES), count=1)
+            c += 2 * n_chunks
 
             n_idx = off_n + cfg.PART * ROWS
             if cfg.HAS_BIAS:
                 ns = n_idx + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
                 acc += gl.load(bias_ptr + ns, mask=ns < N, other=0.0).to(gl.float32)[:, None]
-            dst = out_ptr
-            if cfg.SPLIT:  # this unit's K range: its own [M, N] float32 plane
-                dst = out_ptr + (unit % splits).to(gl.int64) * M * N
-            # 64-token pieces by register renaming (token bits 64 and 128 are register bits of the layout)
-            if BM == 256:
-                q = gl.permute(gl.reshape(acc, [ROWS, 2, 2, 64]), (0, 3, 1, 2))  # [n, b, a1, a0]: 128 a1 + 64 a0 + b
-                e0, e1 = gl.split(q)
-                p0, p2 = gl.split(e0)
-                p1, p3 = gl.split(e1)
-                _store_piece(p0, n_idx, load_m, M, N, off_m, dst, stride_om)
-                _store_piece(p1, n_idx, load_m + 64, M, N, off_m, dst, stride_om)
-                _store_piece(p2, n_idx, load_m + 128, M, N, off_m, dst, stride_om)
-                _store_piece(p3, n_idx, load_m + 192, M, N, off_m, dst, stride_om)
-            elif BM == 128:
-                p0, p1 = gl.split(gl.permute(gl.reshape(acc, [ROWS, 2, 64]), (0, 2, 1)))  # [n, b, a]: 64 a + b
-                _store_piece(p0, n_idx, load_m, M, N, off_m, dst, stride_om)
-                _store_piece(p1, n_idx, load_m + 64, M, N, off_m, dst, stride_om)
-            else:
-                _store_piece(acc, n_idx, load_m, M, N, off_m, dst, stride_om)
+            # four 64-token pieces by register renaming (token bits 64 and 128 are register bits of the layout)
+            q = gl.permute(gl.reshape(acc, [ROWS, 2, 2, 64]), (0, 3, 1, 2))  # [n, b, a1, a0]: token 128 a1 + 64 a0 + b
+            e0, e1 = gl.split(q)
+            p0, p2 = gl.split(e0)
+            p1, p3 = gl.split(e1)
+            _store_piece(p0, n_idx, load_m, M, N, off_m, out_ptr, stride_om)
+            _store_piece(p1, n_idx, load_m + 64, M, N, off_m, out_ptr, stride_om)
+            _store_piece(p2, n_idx, load_m + 128, M, N, off_m, out_ptr, stride_om)
+            _store_piece(p3, n_idx, load_m + 192, M, N, off_m, out_ptr, stride_om)
 
     @gluon.jit
     def _wo_ws_kernel(
         x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr,
-        M, N, K, stride_om, group_chunk_shift, splits, cps,
+        M, N, K, stride_om, group_chunk_shift,
         HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SCALE16: gl.constexpr, STAGES: gl.constexpr,
-        AUX: gl.constexpr, GROUP: gl.constexpr, SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        num_warps: gl.constexpr, PRODUCERS: gl.constexpr = 1, PRODUCER_REGS: gl.constexpr = 128,
+        AUX: gl.constexpr, GROUP: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         DT: gl.constexpr = x_desc.dtype
-        BM: gl.constexpr = x_desc.block_type.shape[0]  # tokens per tile: 64, 128 or 256
-        gl.static_assert(BM == 64 or BM == 128 or BM == 256, "x boxes of 64, 128 or 256 tokens")
+        gl.static_assert(x_desc.block_type.shape[0] == _BM, "x boxes of BLOCK_M tokens")
         w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, _HALF], DT)
-        x_smem = gl.allocate_shared_memory(DT, [STAGES, BM, _HALF], x_desc.layout)
+        x_smem = gl.allocate_shared_memory(DT, [STAGES, _BM, _HALF], x_desc.layout)
         w_smem = gl.allocate_shared_memory(DT, [STAGES, _BN, _HALF], w_layout)
         wq_smem = gl.allocate_shared_memory(gl.int32, [AUX, _BN, _WORDS], wq_desc.layout)
         s_smem = gl.allocate_shared_memory(s_desc.dtype, [AUX, 1, _BN], s_desc.layout)
@@ -471,19 +428,15 @@ if GLUON_AVAILABLE and _aggregate is not None:
         for s in gl.static_range(AUX):
             mbarrier.init(aux_bar.index(s), count=1)
         shared = (x_desc, wq_desc, s_desc, z_desc, bias_ptr, out_ptr, x_smem, w_smem, wq_smem, s_smem, z_smem,
-                  ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift, splits, cps)
-        args0 = shared + (_WsFlags(HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, 0, AUX, SPLIT, PRODUCERS), )
-        args1 = shared + (_WsFlags(HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, 1, AUX, SPLIT, PRODUCERS), )
-        if PRODUCERS == 2:  # the second producer a worker partition of its own (its own partition barrier)
-            gl.warp_specialize([(_producer, args0), (_producer, args1), (_consumer, args0), (_consumer, args1)],
-                               [4, 4, 4], [PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS])
-        else:
-            gl.warp_specialize([(_producer, args0), (_consumer, args0), (_consumer, args1)], [4, 4],
-                               [CONSUMER_REGS, CONSUMER_REGS])
+                  ready, empty, aux_bar, M, N, K, stride_om, group_chunk_shift)
+        args0 = shared + (_WsFlags(HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, 0, AUX), )
+        args1 = shared + (_WsFlags(HAS_ZERO, HAS_BIAS, SCALE16, STAGES, GROUP, 1, AUX), )
+        gl.warp_specialize([(_producer, args0), (_consumer, args0), (_consumer, args1)], [4, 4],
+                           [CONSUMER_REGS, CONSUMER_REGS])
 
 
-def x_descriptor(x2d: torch.Tensor, block_m: int = BLOCK_M):
-    return operand_descriptor(x2d, [block_m, HALF])
+def x_descriptor(x2d: torch.Tensor):
+    return operand_descriptor(x2d, [BLOCK_M, HALF])
 
 
 def _row_descriptor(t: torch.Tensor, block):
@@ -495,47 +448,35 @@ def _row_descriptor(t: torch.Tensor, block):
 
 
 def ws_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int, config: Optional[WsW4Config] = None,
-             tail: Optional[Tuple["_ww.WgmmaW4Config", "_ww.TailSplit"]] = None, splits: int = 1) -> torch.Tensor:
+             tail: Optional[Tuple["_ww.WgmmaW4Config", "_ww.TailSplit"]] = None) -> torch.Tensor:
     """out [M, N] = x2d @ w_hat.T (+ bias) for int4 codes; the caller checked `applies` and validated the
     arguments. tail (`tail_plan`): this kernel runs the split's first main_tiles_n column tiles and
-    `weight_only_wgmma.run_tail` the rest, split over K, with that config; None: the whole product here.
-    splits: K ranges of whole chunks per tile (the last possibly shorter), their float32 partials reduced by
-    `weight_only.splitk_reduce` (rounded so that none is empty); not with a tail."""
-    from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
-
+    `weight_only_wgmma.run_tail` the rest, split over K, with that config; None: the whole product here."""
     cfg = config or WsW4Config()
+    check_config(cfg, scales.element_size(), zeros is not None)
     m, k = x2d.shape
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
-    if tail is not None and not (cfg.block_m == tail[0].block_m == BLOCK_M and tail[0].block_n == BLOCK_N):
+    if tail is not None and not (tail[0].block_m == BLOCK_M and tail[0].block_n == BLOCK_N):
         raise ValueError(f"tail: expected a plan of {BLOCK_M}-token x {BLOCK_N}-row tiles (this kernel's), got {tail}")
     if tail is not None:
         _ww._check_tail(tail[1], n, k, tail[0])
-    n_chunks = cdiv(k, CHUNK)
-    if not isinstance(splits, int) or splits < 1 or (splits > 1 and tail is not None):
-        raise ValueError(f"splits: expected an int >= 1 (1 with a tail), got {splits!r}")
-    cps = cdiv(n_chunks, min(splits, n_chunks))
-    splits = cdiv(n_chunks, cps)
-    check_config(cfg, scales.element_size(), zeros is not None, splits > 1)
     n_main = n if tail is None else tail[1].main_tiles_n * BLOCK_N
     # the main columns as views (the kernel's N): descriptors and pointers keep the full tensors' strides
     qw_main = qweight[:n_main]
     s_main = scales[:, :n_main]
     z_main = None if zeros is None else zeros[:, :n_main]
-    units = cdiv(m, cfg.block_m) * cdiv(n_main, BLOCK_N) * splits
+    tiles = cdiv(m, BLOCK_M) * cdiv(n_main, BLOCK_N)
     s_desc = _row_descriptor(s_main, [1, BLOCK_N])
-    x_desc = x_descriptor(x2d, cfg.block_m)  # with a tail, the same [256, 64] boxes as its launch's: built once
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if splits > 1 else out
-    launch_kernel(_wo_ws_kernel, (max(1, min(units, sm_count(x2d.device))),),
+    x_desc = x_descriptor(x2d)  # the same [256, 64] boxes as the tail launch's (same tile): built once
+    launch_kernel(_wo_ws_kernel, (max(1, min(tiles, sm_count(x2d.device))),),
         x_desc, _row_descriptor(qw_main, [BLOCK_N, WORDS_PER_CHUNK]), s_desc,
         _row_descriptor(z_main, [1, BLOCK_N]) if z_main is not None else s_desc,
-        bias if bias is not None and splits == 1 else scales, part, m, n_main, k, part.stride(-2),
-        _ww.group_chunk_shift(scales, group_size), splits, cps,
-        HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None and splits == 1, SCALE16=scales.dtype == x2d.dtype,
-        STAGES=cfg.stages, AUX=cfg.aux_stages, GROUP=cfg.group, SPLIT=splits > 1, CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCERS=cfg.producer_warps // 4, PRODUCER_REGS=256 - cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg,
+        bias if bias is not None else scales, out, m, n_main, k, out.stride(0),
+        _ww.group_chunk_shift(scales, group_size),
+        HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SCALE16=scales.dtype == x2d.dtype,
+        STAGES=cfg.stages, AUX=cfg.aux_stages, GROUP=cfg.group, CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+        maxnreg=cfg.maxnreg,
     )
-    if splits > 1:
-        splitk_reduce(part, bias, out)
     if tail is not None:
         _ww.run_tail(out, x2d, qweight, scales, zeros, bias, group_size, n, tail[0], tail[1], x_desc)
     return out
