@@ -9,7 +9,8 @@
 - The tail split is the two launches it stands for: main columns bit for bit this kernel's whole product, tail
   columns bit for bit weight_only_wgmma's split-K launch.
 - NaN / inf / all-zero rows stay in their rows; quantfuse.weight_only_mm runs the kernel where `prefer` says
-  (M = 1024..2048, float32 or 16-bit scales) and not elsewhere; CUDA graph capture and replay.
+  (M = 1024..2048, and M = 256..1023 where the model keeps whole-K 256 x 128 tiles; float32 or 16-bit scales) and
+  not elsewhere; CUDA graph capture and replay.
 """
 
 import pytest
@@ -116,9 +117,18 @@ def test_dispatch_graph_and_fallback(monkeypatch):
     x = torch.randn(2048, 4096, device=DEV).to(BF16)
     y = qf.weight_only_mm(x, qw32)
     assert calls == [(2048, None)] and torch.equal(y, _run(x, qw32))
-    # M outside 1024..2048: weight_only_wgmma / dequantize + cuBLAS as before
+    # M = 256..1023 where the model keeps whole-K 256 x 128 tiles: this kernel (M = 512: whole waves; 640: a tail)
     calls.clear()
-    qf.weight_only_mm(x[:512], qw)
+    y = qf.weight_only_mm(x[:512], qw32)
+    assert calls == [(512, None)] and torch.equal(y, _run(x[:512], qw32))
+    calls.clear()
+    plan = ws.tail_plan(640, 8192, 4096, "sm90", sms)
+    assert plan is not None
+    y = qf.weight_only_mm(x[:640], qw32)
+    assert calls == [(640, plan)] and torch.equal(y, _run(x[:640], qw32, tail=plan[1]))
+    # where the model splits K (M = 256 here), and past M = 2048: weight_only_wgmma / dequantize + cuBLAS as before
+    calls.clear()
+    qf.weight_only_mm(x[:256], qw)
     qf.weight_only_mm(torch.randn(4096, 4096, device=DEV).to(BF16), qw)
     assert calls == []
     # a last wave the model splits: this kernel on whole waves, weight_only_wgmma's split-K launch on the rest

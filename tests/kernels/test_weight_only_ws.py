@@ -43,9 +43,16 @@ def test_prefer_rule():
     # M = 1024..2048, and only where the product fills the SMs without a split over K
     assert ws.prefer(1024, 28672, 4096, "sm90", 132) and ws.prefer(2048, 6144, 4096, "sm90", 132)
     assert ws.prefer(1024, 6144, 4096, "sm90", 132)  # with the tail split (weight_only_wgmma's rule: cuBLAS)
-    assert not ws.prefer(512, 28672, 4096, "sm90", 132) and not ws.prefer(4096, 28672, 4096, "sm90", 132)
+    assert not ws.prefer(4096, 28672, 4096, "sm90", 132) and not ws.prefer(255, 28672, 4096, "sm90", 132)
     assert not ws.prefer(1024, 512, 4096, "sm90", 132)  # 8 tiles: weight_only_wgmma splits K
     assert not ws.prefer(1024, 28672, 4096, "default", 132)
+    # M = 256..1023: also only where the model keeps this kernel's 256 x 128 tile
+    for m, n, k in ((256, 28672, 4096), (512, 28672, 4096), (512, 6144, 4096), (768, 4096, 14336)):
+        cfg, splits, _ = ww.plan(m, n, k, "sm90", 132)
+        assert splits == 1 and (cfg.block_m, cfg.block_n) == (ws.BLOCK_M, ws.BLOCK_N)
+        assert ws.prefer(m, n, k, "sm90", 132), (m, n, k)
+    assert ww.plan(512, 4096, 14336, "sm90", 132)[1] > 1 and not ws.prefer(512, 4096, 14336, "sm90", 132)
+    assert ww.plan(256, 10240, 8192, "sm90", 132)[0].block_m == 128 and not ws.prefer(256, 10240, 8192, "sm90", 132)
 
 
 def test_tail_plan_is_weight_only_wgmma_s_where_the_tiles_match():

@@ -68,7 +68,8 @@ Kernels:
   dequantize + cuBLAS there.
 - `weight_only_ws` (Gluon, sm90, int4, M >= 256): the conversion in a producer warpgroup of its own, feeding
   shared-memory wgmma in two consumer warpgroups; `weight_only_mm` runs it where `weight_only_ws.prefer` says
-  (M = 1024..2048), ahead of the register-operand kernel and of dequantize + cuBLAS there.
+  (M = 1024..2048, and M = 256..1023 where the wgmma kernel's model keeps whole-K 256 x 128 tiles), ahead of the
+  register-operand kernel and of dequantize + cuBLAS there.
 - `_dequant_kernel` writes w_hat [N, K] (for `QuantizedWeight.dequantize` and for large M, where
   dequantize-once + cuBLAS can beat the fused kernel; the crossover is data in `_DISPATCH`).
 Launchers assume the arguments were validated by `quantfuse.ops`.

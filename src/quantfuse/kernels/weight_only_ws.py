@@ -64,7 +64,7 @@ has no Gluon: the `tl` kernels are the executable twins.
 # no `from __future__ import annotations`: _WsFlags' field annotations must stay types for Triton's aggregate
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -123,21 +123,30 @@ def check_config(cfg: WsW4Config, scale_bytes: int = 4, has_zero: bool = True) -
                          f"{cfg.aux_stages} aux slots), group >= 1, got {cfg}")
 
 
-# Where weight_only_mm runs this kernel (`prefer`): M from min_m to max_m, where the product fills the SMs without a
-# split over K, float32 or 16-bit scales. H100 (results/tune_weight_only_ws.json, one run, five Llama-3 shapes):
-# 1.01-1.16x weight_only_wgmma at M = 1024 and 2048 and ahead of dequantize + cuBLAS on 18 of 20 rows (4096x6144 at
-# M = 2048 with float32 scales 166 vs 160 us, 14336x4096 at 2048 with bf16 scales 369 vs 372); at M = 1536 ahead or
-# tied on 9 of 10, at M = 4096 dequantize + cuBLAS ahead on 9 of 10 (this kernel 0.92-1.01x it;
-# results/tune_weight_only_ws_m1536_m4096.json).
-WS_W4_DISPATCH: Dict[str, Dict[str, int]] = {
-    "sm90": dict(min_m=1024, max_m=2048),
+# Where weight_only_mm runs this kernel (`prefer`): bands of M from min_m to max_m, where the product fills the SMs
+# without a split over K (and, with same_tile, where the model picked this kernel's 256 x 128 tile), float32 or
+# 16-bit scales. H100:
+# - M = 1024..2048 (results/tune_weight_only_ws.json of stop 45, five Llama-3 shapes): 1.01-1.16x weight_only_wgmma at
+#   M = 1024 and 2048 and ahead of dequantize + cuBLAS on 18 of 20 rows (4096x6144 at M = 2048 with float32 scales
+#   166 vs 160 us, 14336x4096 at 2048 with bf16 scales 369 vs 372); at M = 1536 ahead or tied on 9 of 10, at M = 4096
+#   dequantize + cuBLAS ahead on 9 of 10 (this kernel 0.92-1.01x it; results/tune_weight_only_ws_m1536_m4096.json).
+# - M = 256..1023 where the model picked this kernel's tile (results/tune_weight_only_ws_m256_m768.json, five Llama-3
+#   shapes at M = 256 / 512 / 768, both scale dtypes, 4 alternated rounds): on the 20 of 30 rows this band takes,
+#   0.99-1.14x weight_only_wgmma (median 1.08; 4096x6144 at 768, dequantize + cuBLAS before: 74.2 vs 75.9 us); at
+#   M = 384 / 640 / 896 (another call, 18 rows) 0.98-1.23x, median 1.07. Where the model splits K or picks 128 x 128
+#   tiles it leaves weight_only_wgmma (14336x4096 at M = 512: 104 vs 163 us).
+WS_W4_DISPATCH: Dict[str, List[Dict[str, int]]] = {
+    "sm90": [dict(min_m=256, max_m=1023, same_tile=True), dict(min_m=1024, max_m=2048, same_tile=False)],
 }
 
 
 def prefer(m: int, n: int, k: int, arch: str, num_sms: int) -> bool:
     """Whether weight_only_mm runs this kernel at this shape (where `applies`) on `arch`: WS_W4_DISPATCH."""
-    rule = WS_W4_DISPATCH.get(arch)
-    return rule is not None and rule["min_m"] <= m <= rule["max_m"] and _ww.plan(m, n, k, arch, num_sms)[1] == 1
+    for band in WS_W4_DISPATCH.get(arch, ()):
+        if band["min_m"] <= m <= band["max_m"]:
+            cfg, splits, _ = _ww.plan(m, n, k, arch, num_sms)
+            return splits == 1 and (not band["same_tile"] or (cfg.block_m, cfg.block_n) == (BLOCK_M, BLOCK_N))
+    return False
 
 
 def tail_plan(m: int, n: int, k: int, arch: str, num_sms: int):
