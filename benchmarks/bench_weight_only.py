@@ -137,7 +137,7 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
                 + ("" if tail is None else f" tail {tail.main_tiles_n}+{tail.splits}way"))
     if m >= table["cublas_min_m"]:
         return "dequant+cublas"
-    tile = kw.pick_tile(m, dev, bits)
+    tile = kw.pick_tile(m, dev, bits, SCALE_DTYPE.itemsize)
     if bits == 4 and sm90_gluon and m <= gm.MAX_M and kw.prefer_gemv_mma(m, n, k):  # group 128 here: applies
         cfg = gm.pick_config(m, dev)
         return f"gluon mma decode {cfg.block_n}w{cfg.num_warps}" + ("" if cfg.fused_reduce else " +reduce")

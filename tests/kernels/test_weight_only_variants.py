@@ -521,6 +521,22 @@ def test_pick_from_bits_rows():
         kw.check_tile(dict(tile(), bits=3))
 
 
+def test_pick_from_scale_width_rows():
+    """A row naming `scale_bytes` serves only scales of that width (W8A16 decode: float32 scales take the two-chunk
+    tile that scales each weight, 16-bit ones the wide tile that scales the sums)."""
+    tiles = [dict(max_m=16, bits=8, scale_bytes=4, block_n=64), dict(max_m=16, bits=8, block_n=128),
+             dict(max_m=16, block_n=32)]
+    assert kw.pick_from(tiles, 16, 8, 4)["block_n"] == 64
+    assert kw.pick_from(tiles, 16, 8, 2)["block_n"] == 128
+    assert kw.pick_from(tiles, 16, 4, 4)["block_n"] == 32
+    sm90 = kw._DISPATCH["sm90"]["tiles"]
+    f32, s16 = kw.pick_from(sm90, 16, 8, 4), kw.pick_from(sm90, 16, 8, 2)
+    assert (f32["block_n"], f32["chunks"]) == (64, 2) and s16.get("wide") and s16["scale"] == "auto"
+    assert kw.pick_from(sm90, 8, 8, 4) is f32 and kw.pick_from(sm90, 16, 4, 4) is kw.pick_from(sm90, 16, 4, 2)
+    with pytest.raises(ValueError, match="scale_bytes"):
+        kw.check_tile(dict(tile(), scale_bytes=1))
+
+
 def test_shipped_tiles_are_valid():
     """Every shipped tile is one the kernels can run, in ascending max_m; a gemv tile covers at most 4 rows
     per program (more rows would re-stream the weight once per row block)."""

@@ -127,10 +127,19 @@ _DISPATCH = {
                  kernel="gemv", convert="inplace", scale="auto"),
             dict(max_m=1, block_m=1, block_n=64, num_warps=4, num_stages=2, programs_per_sm=8, chunks=1,
                  kernel="gemv", convert="inplace", scale="auto"),
-            # int8 weights (no Gluon decode kernel for them): the same tile with one product per chunk
-            # (tune_weight_only_wide_decode_w8.json, W8A16 per channel, five shapes, M = 8 and 16: 17.5-135.9 us
-            # against 18.2-139.5 one field at a time); for int4 it lost on 4 of 5 shapes
-            # (tune_weight_only_wide_decode_w4.json), so the row below stays one field at a time
+            # int8 weights with float32 scales (no Gluon decode kernel for int8): 64 columns, two chunks (128
+            # contiguous bytes of each weight row) per K step, the winner of the staged W8A16 sweep at M = 16
+            # (tune_weight_only_w8_m16.json); same-call A/B against the row below at M = 2 / 4 / 8 / 16
+            # (tune_weight_only_w8_chunks.json, five shapes): 1.14-1.30x on four shapes (28672x8192 M = 16 108.3
+            # vs 136.0 us), 0.97-1.00x at 4096x6144; geometric mean 1.14x
+            dict(max_m=16, bits=8, scale_bytes=4, block_m=16, block_n=64, num_warps=4, num_stages=3,
+                 programs_per_sm=4, chunks=2, kernel="mma", convert="inplace"),
+            # int8 weights with 16-bit scales: the tile above reads them per weight (scale before the dot, two
+            # chunks) and ran 8-15% slower than this one on all five shapes at M = 16 (weight_only_bfloat16.json of
+            # 15:49 against 13:06, stop 47); here one product per chunk with the scale after the sums
+            # (tune_weight_only_wide_decode_w8.json: 17.5-135.9 us against 18.2-139.5 one field at a time); for int4
+            # the wide tile lost on 4 of 5 shapes (tune_weight_only_wide_decode_w4.json), so the row below stays one
+            # field at a time
             dict(max_m=16, bits=8, block_m=16, block_n=128, num_warps=4, num_stages=3, programs_per_sm=4,
                  chunks=1, kernel="mma", convert="packed", scale="auto", wide=True),
             dict(max_m=16, block_m=16, block_n=128, num_warps=4, num_stages=3, programs_per_sm=4,
@@ -988,16 +997,17 @@ def dequantize(qweight, scales, zeros, bits: int, group_size: int, k: int, dtype
     return out
 
 
-def pick_from(tiles, m: int, bits: int) -> dict:
-    """The first tile covering M rows whose `bits` (when it names one) is the weights' bit width."""
+def pick_from(tiles, m: int, bits: int, scale_bytes: int = 4) -> dict:
+    """The first tile covering M rows whose `bits` and `scale_bytes` (where it names them) are the weights' bit width
+    and the byte width of their scales."""
     for tile in tiles:
-        if m <= tile["max_m"] and tile.get("bits", bits) == bits:
+        if m <= tile["max_m"] and tile.get("bits", bits) == bits and tile.get("scale_bytes", scale_bytes) == scale_bytes:
             return tile
     return tiles[-1]
 
 
-def pick_tile(m: int, device: torch.device, bits: int = 4) -> dict:
-    return pick_from(_table(device)["tiles"], m, bits)
+def pick_tile(m: int, device: torch.device, bits: int = 4, scale_bytes: int = 4) -> dict:
+    return pick_from(_table(device)["tiles"], m, bits, scale_bytes)
 
 
 _KERNELS = ("mma", "gemv")
@@ -1051,6 +1061,9 @@ def check_tile(tile: dict) -> None:
         raise ValueError(f"tile convert: expected one of {tuple(_CONVERTS)}, got {tile.get('convert')!r}")
     if tile.get("bits", 4) not in (4, 8):
         raise ValueError(f"tile bits: expected 4 or 8 (the weights a table row is for), got {tile.get('bits')!r}")
+    if tile.get("scale_bytes", 4) not in (2, 4):
+        raise ValueError(f"tile scale_bytes: expected 2 or 4 (the scales a table row is for), got "
+                         f"{tile.get('scale_bytes')!r}")
     if tile.get("scale", "before") not in _SCALES:
         raise ValueError(f"tile scale: expected one of {_SCALES}, got {tile.get('scale')!r}")
     pow2 = lambda v: isinstance(v, int) and v > 0 and v & (v - 1) == 0  # noqa: E731
@@ -1120,7 +1133,7 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     possibly fewer)."""
     m, k = x2d.shape
     if tile is None:
-        tile = pick_tile(m, x2d.device, bits)  # the shipped table (checked by the tests, not on every call)
+        tile = pick_tile(m, x2d.device, bits, scales.element_size())  # the shipped table (checked by the tests)
     else:
         check_tile(tile)
     block_m, block_n = tile["block_m"], tile["block_n"]
