@@ -480,10 +480,11 @@ def from_table(m: int):
     """--from-table: the shipped sm90 tile for M with the scale applied before (inplace: the previous
     kernel) and after the dot (packed / inplace), the after-packed one at half / double its programs_per_sm,
     more stages and (M <= 32) block_n 256, plus (M >= 64) the M = 64 runners-up of an earlier sweep."""
+    import torch
     from quantfuse.kernels import weight_only as kw
 
-    base = kw.pick_from(kw._DISPATCH["sm90"]["tiles"], m, BITS)
-    base = {k: v for k, v in base.items() if k not in ("max_m", "bits")}
+    base = kw.pick_from(kw._DISPATCH["sm90"]["tiles"], m, BITS, getattr(torch, SCALE_DTYPE).itemsize)
+    base = {k: v for k, v in base.items() if k not in ("max_m", "bits", "scale_bytes")}
     p = base["programs_per_sm"]
     after = dict(base, convert="packed", scale="after")
     out = [dict(base, convert="inplace", scale="before"), dict(base, convert="packed", scale="before"),

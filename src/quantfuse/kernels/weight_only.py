@@ -135,8 +135,9 @@ _DISPATCH = {
             dict(max_m=16, bits=8, scale_bytes=4, block_m=16, block_n=64, num_warps=4, num_stages=3,
                  programs_per_sm=4, chunks=2, kernel="mma", convert="inplace"),
             # int8 weights with 16-bit scales: the tile above reads them per weight (scale before the dot, two
-            # chunks) and ran 8-15% slower than this one on all five shapes at M = 16 (weight_only_bfloat16.json of
-            # 15:49 against 13:06, stop 47); here one product per chunk with the scale after the sums
+            # chunks) and ran 8-15% slower than this one on all five shapes at M = 16 (24.4-156.5 us against
+            # 21.3-140.6: the notes of weight_only_bfloat16.json, stop 47); here one product per chunk with the
+            # scale after the sums
             # (tune_weight_only_wide_decode_w8.json: 17.5-135.9 us against 18.2-139.5 one field at a time); for int4
             # the wide tile lost on 4 of 5 shapes (tune_weight_only_wide_decode_w4.json), so the row below stays one
             # field at a time
