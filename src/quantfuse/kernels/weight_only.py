@@ -109,8 +109,10 @@ def chunk_codes(bits: int) -> int:
 # rows from M = 2 to 64 are the
 # winners of benchmarks/tune_weight_only.py on the H100 (W4A16 g128, five Llama-3 shapes, CUDA graphs;
 # geometric-mean speedup over the previous table 1.37x at M=1, 1.40x at 4, 1.38x at 16, 1.42x at 32,
-# 1.34x at 64); "gemv" (then rounding w_hat first) never won a shape there. Every tensor-core row says "packed": it runs where the scales are
-# 16-bit values of x's dtype and falls back to "inplace" elsewhere. Measured on the H100
+# 1.34x at 64); "gemv" (then rounding w_hat first) never won a shape there. Every tensor-core row says "packed" (but
+# the int8 row for float32 scales, where "packed" never applies): it runs where the scales are 16-bit values of x's
+# dtype and falls back to "inplace" elsewhere. Rows naming `scale_bytes` serve only scales of that width
+# (`pick_from`). Measured on the H100
 # (tune_weight_only_packed.json vs tune_weight_only_m64_m128.json / weight_only.json): with bfloat16
 # scales "packed" beats "inplace" by 1.3-1.6x at every M (16-bit scale loads slow "inplace" down), but
 # against float32 scales + "inplace" it gains only 2-5% at M <= 16 and loses 10-30% at M = 32..128, so
