@@ -83,7 +83,7 @@ def _compile_sm90(block_m=128, num_warps=8, stages=4, dtype="bf16", scale16=Fals
     x = torch.empty(256, 4096, dtype=tdt)
     w = torch.empty(4096, 512, dtype=torch.int32)
     s = torch.empty(32, 4096, dtype=tdt if scale16 else torch.float32)
-    args = dict(x_desc=ww._x_descriptor(x, block_m), w_ptr=w, s_ptr=s, z_ptr=w, bias_ptr=x, out_ptr=x)
+    args = dict(x_desc=ww.x_descriptor(x, block_m), w_ptr=w, s_ptr=s, z_ptr=w, bias_ptr=x, out_ptr=x)
     consts = dict(HAS_ZERO=has_zero, HAS_BIAS=True, SPLIT=split, SCALE16=scale16, STAGES=stages, GROUP=8,
                   num_warps=num_warps)
     return gluon_sm90_build(ww._wo_wgmma_kernel, args, consts,

@@ -192,18 +192,31 @@ if GLUON_AVAILABLE:
                                           [a_ll.shape[0], WORDS_PER_CHUNK])
 
     @gluon.jit
-    def _half(v0, v1, v2, v3, a_layout: gl.constexpr):
-        """Fields f = 0..3 ([BLOCK_N, 16] each, word j) -> [BLOCK_N, 64] with k = 16 f + j, in the A operand layout."""
-        BLOCK_N: gl.constexpr = v0.shape[0]
+    def fields_to_half(v0, v1, v2, v3):
+        """Fields f = 0..3 ([rows, 16] each, word j) -> [rows, 64] with k = 16 f + j (register renaming); also the
+        warp-specialized kernel's (weight_only_ws)."""
+        ROWS: gl.constexpr = v0.shape[0]
         q = gl.join(gl.join(v0, v1), gl.join(v2, v3))  # [n, j, f & 1, f >> 1]
         q = gl.permute(q, (0, 3, 2, 1))  # [n, f >> 1, f & 1, j]
-        return gl.convert_layout(gl.reshape(q, [BLOCK_N, _HALF]), a_layout, assert_trivial=True)
+        return gl.reshape(q, [ROWS, _HALF])
+
+    @gluon.jit
+    def _half(v0, v1, v2, v3, a_layout: gl.constexpr):
+        """`fields_to_half` in the A operand layout."""
+        return gl.convert_layout(fields_to_half(v0, v1, v2, v3), a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def scaled_field(v, F: gl.constexpr, z, s, DT: gl.constexpr):
+        """(2^23 + u 2^(4 F)) as float32 bits (field F OR-ed where it lies into 2^23) -> round(DT, (u - z) * s): minus
+        2^23 + z 2^(4 F) and times s 2^(-4 F) (powers of two: exact), one rounding; z, s float32. The float32-scale
+        conversion of both this kernel and weight_only_ws."""
+        return ((v.to(gl.float32, bitcast=True) - (z * (1 << (4 * F)) + 8388608.0))
+                * (s * (1.0 / (1 << (4 * F))))).to(DT)
 
     @gluon.jit
     def _inplace_field(words, F: gl.constexpr, z, s, DT: gl.constexpr):
         """round(DT, (u - z) * s) of field F (bits 4 F..4 F + 3, F < 4) of `words`; z, s float32 [BLOCK_N, 1]."""
-        v = ((words & (0xF << (4 * F))) | 0x4B000000).to(gl.float32, bitcast=True)
-        return ((v - (z * (1 << (4 * F)) + 8388608.0)) * (s * (1.0 / (1 << (4 * F))))).to(DT)
+        return scaled_field((words & (0xF << (4 * F))) | 0x4B000000, F, z, s, DT)
 
     @gluon.jit
     def _operands(words, zero, scale, a_layout: gl.constexpr, DT: gl.constexpr, SCALE16: gl.constexpr):
@@ -359,7 +372,8 @@ if GLUON_AVAILABLE:
             gl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _x_descriptor(x2d: torch.Tensor, block_m: int):
+def x_descriptor(x2d: torch.Tensor, block_m: int):
+    """x2d in [block_m, 64] boxes (the B operand's K-major halves of a chunk); also weight_only_ws's."""
     return operand_descriptor(x2d, [block_m, HALF])
 
 
@@ -468,7 +482,7 @@ def run_tail(out, x2d, qweight, scales, zeros, bias, group_size: int, n: int, cf
     ways = _ways(k, tail.splits)
     part = torch.empty((ways, m, n - n_main), dtype=torch.float32, device=x2d.device)
     if x_desc is None:
-        x_desc = _x_descriptor(x2d, cfg.block_m)
+        x_desc = x_descriptor(x2d, cfg.block_m)
     _launch(x_desc, qweight, scales, zeros, bias, part, m, n, k, group_size, cfg, n_main, n - n_main, ways)
     splitk_reduce(part, None if bias is None else bias[n_main:], out[:, n_main:])
 
@@ -496,7 +510,7 @@ def wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     if tail is not None:
         _check_tail(tail, n, k, cfg)
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
-    x_desc = _x_descriptor(x2d, cfg.block_m)
+    x_desc = x_descriptor(x2d, cfg.block_m)
     n_main = n if tail is None else tail.main_tiles_n * cfg.block_n
     ways = _ways(k, splits) if tail is None else 1
     if ways == 1:

@@ -78,12 +78,14 @@ if GLUON_AVAILABLE:
     from ._gluon import TensorDescriptor as GluonTensorDescriptor
     from ._gluon import cta_barrier as _cta_barrier
     from ._gluon import fence_async_shared as _fence_async_shared
-    from ._gluon import gl, gluon, mbarrier, operand_descriptor, warpgroup_mma, warpgroup_mma_wait
+    from ._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
     from ._gluon import tile_coords as _tile_coords
     from ._gluon import tma_load as _tma_load
     from .gemv_mma import convert_word_pairs as _convert_word_pairs
     from .gemv_mma import half_pair as _half_pair
     from .gemv_mma import magic_zero_pair as _magic_zero_pair
+    from .weight_only_wgmma import fields_to_half as _tile4
+    from .weight_only_wgmma import scaled_field as _scaled
     try:
         from triton.language.core import _aggregate
     except ImportError:  # a Triton without it: the kernel is off
@@ -223,14 +225,6 @@ if GLUON_AVAILABLE and _aggregate is not None:
         return pid_n * _BN, gl.maximum(gl.minimum(off_m, M - _BM), 0), off_m
 
     @gluon.jit
-    def _tile4(v0, v1, v2, v3):
-        """Fields f = 0..3 ([rows, 16] each, word j) -> [rows, 64] with k = 16 f + j (register renaming)."""
-        ROWS: gl.constexpr = v0.shape[0]
-        q = gl.join(gl.join(v0, v1), gl.join(v2, v3))  # [n, j, f & 1, f >> 1]
-        q = gl.permute(q, (0, 3, 2, 1))  # [n, f >> 1, f & 1, j]
-        return gl.reshape(q, [ROWS, _HALF])
-
-    @gluon.jit
     def _fields_f32(words, z, s, DT: gl.constexpr):
         """The eight fields of each word as in `_field`, the OR into 2^23 one LOP3 per field (PTX: the and / or of
         two immediates written as two operations becomes two LOP3s), returned as the halves' field tuples."""
@@ -242,11 +236,6 @@ if GLUON_AVAILABLE and _aggregate is not None:
                  _scaled(v3, 3, z, s, DT)),
                 (_scaled(v4, 0, z, s, DT), _scaled(v5, 1, z, s, DT), _scaled(v6, 2, z, s, DT),
                  _scaled(v7, 3, z, s, DT)))
-
-    @gluon.jit
-    def _scaled(v, F: gl.constexpr, z, s, DT: gl.constexpr):
-        """(2^23 + u 2^(4 F)) as float32 bits -> round(DT, (u - z) * s) (see `_field`)."""
-        return ((v.to(gl.float32, bitcast=True) - (z * (1 << (4 * F)) + 8388608.0)) * (s * (1.0 / (1 << (4 * F))))).to(DT)
 
     @gluon.jit
     def _dequant(words, zero, scale, DT: gl.constexpr, SCALE16: gl.constexpr):
@@ -445,7 +434,7 @@ if GLUON_AVAILABLE and _aggregate is not None:
 
 
 def x_descriptor(x2d: torch.Tensor):
-    return operand_descriptor(x2d, [BLOCK_M, HALF])
+    return _ww.x_descriptor(x2d, BLOCK_M)
 
 
 def _row_descriptor(t: torch.Tensor, block):
