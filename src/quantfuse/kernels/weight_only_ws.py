@@ -226,8 +226,9 @@ if GLUON_AVAILABLE and _aggregate is not None:
 
     @gluon.jit
     def _fields_f32(words, z, s, DT: gl.constexpr):
-        """The eight fields of each word as in `_field`, the OR into 2^23 one LOP3 per field (PTX: the and / or of
-        two immediates written as two operations becomes two LOP3s), returned as the halves' field tuples."""
+        """The eight fields of each word as `weight_only_wgmma.scaled_field` takes them, the OR into 2^23 one LOP3 per
+        field (PTX: the and / or of two immediates written as two operations becomes two LOP3s), returned as the
+        halves' field tuples."""
         v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
             _FIELDS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
             dtype=(gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32),
