@@ -1004,7 +1004,8 @@ def pick_from(tiles, m: int, bits: int, scale_bytes: int = 4) -> dict:
     """The first tile covering M rows whose `bits` and `scale_bytes` (where it names them) are the weights' bit width
     and the byte width of their scales."""
     for tile in tiles:
-        if m <= tile["max_m"] and tile.get("bits", bits) == bits and tile.get("scale_bytes", scale_bytes) == scale_bytes:
+        if (m <= tile["max_m"] and tile.get("bits", bits) == bits
+                and tile.get("scale_bytes", scale_bytes) == scale_bytes):
             return tile
     return tiles[-1]
 

@@ -442,7 +442,8 @@ def _row_descriptor(t: torch.Tensor, block):
     """Unswizzled boxes (the producer reads them with plain shared loads)."""
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=t.element_size() * 8, rank=2)
     # a single row's stride is never stepped over: give it the row's length (torch may report 1 there)
-    strides = list(t.stride()) if t.shape[0] > 1 else [-(-t.shape[1] * t.element_size() // 16) * 16 // t.element_size(), 1]
+    row_bytes = -(-t.shape[1] * t.element_size() // 16) * 16
+    strides = list(t.stride()) if t.shape[0] > 1 else [row_bytes // t.element_size(), 1]
     return GluonTensorDescriptor(t, list(t.shape), strides, list(block), layout)
 
 
