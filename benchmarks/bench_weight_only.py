@@ -33,6 +33,7 @@ import common  # noqa: E402
 import quantfuse as qf  # noqa: E402
 from quantfuse.kernels import gemv_mma as gm  # noqa: E402
 from quantfuse.kernels import gemv_tma as gt  # noqa: E402
+from quantfuse.kernels import w8_decode as kwd  # noqa: E402
 from quantfuse.kernels import weight_only as kw  # noqa: E402
 from quantfuse.kernels import weight_only_wgmma as ww  # noqa: E402
 from quantfuse.kernels import weight_only_ws as wws  # noqa: E402
@@ -141,6 +142,13 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
     if bits == 4 and sm90_gluon and m <= gm.MAX_M and kw.prefer_gemv_mma(m, n, k):  # group 128 here: applies
         cfg = gm.pick_config(m, dev)
         return f"gluon mma decode {cfg.block_n}w{cfg.num_warps}" + ("" if cfg.fused_reduce else " +reduce")
+    if bits == 8 and kwd.prefer(m, kw.arch_key(dev.type, dev.index)):  # per channel here: applies
+        cfg = kwd.pick_config(kw.arch_key(dev.type, dev.index))
+        k_pad = -(-k // 64) * 64  # whole 64-code chunks
+        grid, steps = -(-n // cfg.block_n), -(-k_pad // cfg.block_k)
+        splits = max(1, min(steps, cfg.programs_per_sm * kw._num_sms(dev) // grid))
+        per = -(-steps // splits)
+        return f"w8 decode {kwd.BLOCK_M}x{cfg.block_n} splitK={-(-steps // per)}"
     if m == 1 and gt.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0) and kw.prefer_gemv_tma(
             bits, n, k, tile, kw._num_sms(dev)):
         cfg = gt.pick_config(bits, dev)

@@ -16,7 +16,7 @@ alternated rounds, five Llama-3 shapes at M = 1 / 4 / 16: bf16 F.linear, the shi
 weight of the same shape: the bytes-equal reference) and the probe's candidates (the best of a 19-candidate sweep in
 an earlier call of this stop). Each candidate's output is checked against the shipped op first.
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/probe_w8_bytes.py (--dry: the interpreter, small shapes, the
-kernel against the float32 product with the unrounded weights).
+kernel against the float32 product with the unrounded weights; --set sweep1 / sweep2 / ab: the later sweeps, `SETS`).
 Result: results/tune_weight_only_w8_bytes.json."""
 import math
 import os
@@ -163,19 +163,36 @@ def w8_bytes_mm(x2d, qweight, scales, zeros, bias, n, block_m=16, block_n=64, bl
 
 SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192)]
 ROUNDS = int(os.environ.get("ROUNDS", "2"))
-CANDIDATES = [
-    dict(swap=False, block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=2, xperm=True),
-    dict(swap=False, block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=4, xperm=True),
-    dict(swap=False, block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=4, xperm=True, fused=True),
-    dict(swap=False, block_n=32, block_k=256, num_warps=4, num_stages=4, programs_per_sm=4, xperm=True),
-    dict(swap=True, block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4),
-    dict(swap=False, block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=4),
-]
+
+
+def _cand(block_n, block_k, num_stages, programs_per_sm, num_warps=4, swap=False, xperm=True, fused=False):
+    return dict(swap=swap, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                programs_per_sm=programs_per_sm, xperm=xperm, fused=fused)
+
+
+CANDIDATES = [_cand(64, 256, 4, 2), _cand(64, 256, 4, 4), _cand(64, 256, 4, 4, fused=True), _cand(32, 256, 4, 4),
+              _cand(64, 128, 4, 4, swap=True, xperm=False), _cand(64, 256, 4, 4, xperm=False)]
+LARGE_K = [(28672, 8192), (14336, 4096), (11008, 4096), (13824, 5120), (8192, 10240), (14336, 8192)]
+# --set NAME: (candidates, shapes, Ms); "probe" is the default run. sweep1 / sweep2 / ab: the later calls of stop 48
+# (results/tune_weight_only_w8_bytes_sweeps.json), which picked w8_decode's config (128 columns, 256 bytes a step, 4
+# stages, one program per SM)
+SETS = {
+    "probe": (CANDIDATES, SHAPES, (1, 4, 16)),
+    "sweep1": ([_cand(64, 256, s, p) for s in (3, 4, 5) for p in (1, 2, 3)] + [_cand(128, 256, 4, p) for p in (1, 2)]
+               + [_cand(64, 512, 3, 2), _cand(32, 256, 4, 2), _cand(64, 256, 4, 2, num_warps=8)], LARGE_K, (16, 4)),
+    "sweep2": ([_cand(128, 256, s, 1) for s in (4, 3, 5, 6)] + [_cand(128, 128, 6, 1), _cand(256, 128, 4, 1),
+                                                             _cand(256, 256, 3, 1), _cand(128, 512, 3, 1),
+                                                             _cand(128, 256, 4, 1, num_warps=8)],
+               LARGE_K + [(4096, 6144), (4096, 28672), (4096, 14336)], (16, 8, 2)),
+    "ab": ([_cand(128, 256, 4, 1), _cand(128, 256, 3, 1), _cand(128, 256, 4, 1, fused=True)],
+           SHAPES + [(11008, 4096)], (1, 2, 4, 8, 16)),
+}
 
 
 def label(c):
     return (f"{'swap' if c['swap'] else 'xa'} n{c['block_n']} k{c['block_k']} s{c['num_stages']} "
-            f"p{c['programs_per_sm']}{' fused' if c.get('fused') else ''}{' xperm' if c.get('xperm') else ''}")
+            f"p{c['programs_per_sm']}{' fused' if c.get('fused') else ''}{' xperm' if c.get('xperm') else ''}"
+            f"{' w' + str(c['num_warps']) if c['num_warps'] != 4 else ''}")
 
 
 def unrounded_product(x, qw, bias):
@@ -200,9 +217,11 @@ def dry():
 def main():
     if "--dry" in sys.argv:
         return dry()
+    name = sys.argv[sys.argv.index("--set") + 1] if "--set" in sys.argv else "probe"
+    candidates, shapes, ms = SETS[name]
     rows = []
     t = common.graph_us
-    for k, n in SHAPES:
+    for k, n in shapes:
         qw = qf.quantize_weight(torch.randn(n, k, device="cuda"), bits=8, group_size=-1, symmetric=True)
         reps = common.rotation_count(qw.qweight.numel() * 4 + qw.scales.numel() * 4)
         qws = [qw] + [qf.QuantizedWeight(qw.qweight.clone(), qw.scales.clone(), None, 8, -1, qw.shape, None)
@@ -211,7 +230,7 @@ def main():
         lin = [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
         w8 = (torch.randn(n, k, device="cuda") * 0.1).to(torch.float8_e4m3fn)
         f8 = [w8] + [w8.clone() for _ in range(common.rotation_count(w8.numel()) - 1)]
-        for m in (1, 4, 16):
+        for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xs, sa = x.to(torch.float8_e4m3fn), torch.rand(m, 1, device="cuda") * 1e-3
             sb = torch.rand(n, device="cuda") * 1e-3
@@ -219,7 +238,7 @@ def main():
             fns = {"bf16": (lambda w: F.linear(x, w), [(w,) for w in lin]),
                    "shipped": (lambda q: qf.weight_only_mm(x, q), [(q,) for q in qws]),
                    "fp8": (lambda b: qf.scaled_mm(xs, b, sa, sb, torch.bfloat16), [(b.t(),) for b in f8])}
-            for c in CANDIDATES:
+            for c in candidates:
                 out = w8_bytes_mm(x, qw.qweight, qw.scales, None, None, n, **c).float()
                 err = float((out - shipped).abs().max() / shipped.abs().max())
                 assert err < 2e-2, (label(c), err)
@@ -239,8 +258,8 @@ def main():
         del qws, lin, f8
         torch.cuda.empty_cache()
     cols = ["M", "K", "N", "bf16_us", "shipped_us", "fp8_us", "best_probe", "best_probe_us", "probe_vs_shipped",
-            "shipped_vs_bf16", "fp8_vs_shipped"] + [f"{label(c)} us" for c in CANDIDATES]
-    common.finish("tune_weight_only_w8_bytes",
+            "shipped_vs_bf16", "fp8_vs_shipped"] + [f"{label(c)} us" for c in candidates]
+    common.finish("tune_weight_only_w8_bytes" + ("" if name == "probe" else f"_{name}"),
                   "W8A16 decode: a byte-view tl kernel vs the shipped paths and fp8 decode", rows, cols,
                   f"W8A16 per channel symmetric, float32 scales, bf16 x; CUDA graphs, weights rotated past L2, "
                   f"minimum of {ROUNDS} alternated rounds; probe_vs_shipped > 1: the probe faster. See the module "

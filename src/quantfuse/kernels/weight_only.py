@@ -70,6 +70,10 @@ Kernels:
   shared-memory wgmma in two consumer warpgroups; `weight_only_mm` runs it where `weight_only_ws.prefer` says
   (M = 1024..2048, and M = 256..1023 where the wgmma kernel's model keeps whole-K 256 x 128 tiles), ahead of the
   register-operand kernel and of dequantize + cuBLAS there.
+- `w8_decode` (tl, int8 codes with per-channel scales, M = 2..16 on sm90): the packed words read as a byte matrix
+  straight into the dot (x permuted to the bytes' K order in registers), the exact u - z by the 2^23 trick, the
+  scale applied to the sums; `weight_only_mm` runs it where `w8_decode.prefer` says, ahead of this module's int8
+  tiles (which stay for grouped int8 weights and other architectures).
 - `_dequant_kernel` writes w_hat [N, K] (for `QuantizedWeight.dequantize` and for large M, where
   dequantize-once + cuBLAS can beat the fused kernel; the crossover is data in `_DISPATCH`).
 Launchers assume the arguments were validated by `quantfuse.ops`.
@@ -83,7 +87,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import gemv_mma, gemv_tma, weight_only_wgmma, weight_only_ws
+from . import gemv_mma, gemv_tma, w8_decode, weight_only_wgmma, weight_only_ws
 from ._common import INTERPRET, cast_to, cdiv, grid_dependency_sync, launch_kernel, next_pow2, pdl_launch_options
 from .configs import arch_key, decode_pdl, sm_count
 
@@ -129,6 +133,8 @@ _DISPATCH = {
                  kernel="gemv", convert="inplace", scale="auto"),
             dict(max_m=1, block_m=1, block_n=64, num_warps=4, num_stages=2, programs_per_sm=8, chunks=1,
                  kernel="gemv", convert="inplace", scale="auto"),
+            # (int8 with one scale per channel runs `w8_decode` at M = 2..16 on sm90: the two int8 rows below serve
+            # grouped int8 weights, and were the per-channel path before it, tune_weight_only_w8_decode.json)
             # int8 weights with float32 scales (no Gluon decode kernel for int8): 64 columns, two chunks (128
             # contiguous bytes of each weight row) per K step, the winner of the staged W8A16 sweep at M = 16
             # (tune_weight_only_w8_m16.json); same-call A/B against the row below at M = 2 / 4 / 8 / 16
@@ -1193,8 +1199,9 @@ def runs_wide(tile: dict, scale_code: int) -> bool:
 def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int) -> torch.Tensor:
     """Dispatch by M: the fused kernel (split-K for decode, tiled for larger M), the Gluon warp-specialized or
     wgmma kernel where `weight_only_ws.prefer` / `weight_only_wgmma.prefer` say so (int4, sm90, prefill-sized M),
-    or for M at least `cublas_min_m` dequantize once and call cuBLAS (measured faster there; see
-    bench_weight_only.py)."""
+    the Gluon decode kernels (`gemv_mma`: int4, M <= 16; `gemv_tma`: M = 1), the byte-view int8 decode kernel where
+    `w8_decode.prefer` says so (per-channel int8, M = 2..16, sm90), or for M at least `cublas_min_m` dequantize once
+    and call cuBLAS (measured faster there; see bench_weight_only.py)."""
     m, k = x2d.shape
     # the shape rule first: decode calls skip the scope checks (descriptor strides, device capability)
     arch = arch_key(x2d.device.type, x2d.device.index)
@@ -1212,6 +1219,8 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
         return torch.nn.functional.linear(x2d, w_hat, bias)
     if gemv_mma.applies(x2d, qweight, scales, bits, group_size, k) and prefer_gemv_mma(m, n, k):
         return gemv_mma_mm(x2d, qweight, scales, zeros, bias, group_size, n)
+    if w8_decode.prefer(m, arch) and w8_decode.applies(x2d, qweight, scales, bits):
+        return w8_decode.w8_decode_mm(x2d, qweight, scales, zeros, bias, n, num_sms=_num_sms(x2d.device), arch=arch)
     if m == 1 and gemv_tma.applies(x2d, qweight, scales, bits, group_size, k) and prefer_gemv_tma(
             bits, n, k, pick_tile(1, x2d.device, bits), _num_sms(x2d.device)):
         return gemv_tma_mm(x2d, qweight, scales, zeros, bias, bits, group_size, n)

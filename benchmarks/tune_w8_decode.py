@@ -1,0 +1,111 @@
+"""Same-run A/B for the byte-view W8A16 decode kernel (kernels/w8_decode.py): the shipped dispatch
+(quantfuse.weight_only_mm, which runs it at M = 2..16 for int8 per-channel weights on sm90) against the path it
+replaced there (`weight_only.fused_mm` with the int8 table tile for M and the scale width) and bf16 F.linear.
+
+W8A16 per channel, symmetric, bf16 x; five Llama-3 shapes plus 11008x4096; M = 2 / 4 / 8 / 16 with float32 scales
+and M = 16 with bfloat16 scales; CUDA graphs, weights rotated past L2 (common.graph_us); the minimum of ROUNDS
+(default 3) alternated rounds. Rows: ours_us, replaced_us, bf16_us, ours_vs_replaced (> 1: ours faster),
+ours_vs_bf16, weight_GBs (packed weight + scales bytes / ours time).
+Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_w8_decode.py   ->  results/tune_weight_only_w8_decode.json
+     ... --splits: w8_decode with forced K splits 1..8 against the dispatch's own count (programs_per_sm x SMs over
+     the column blocks, floored), M = 4 / 16, float32 scales, min of 2 rounds
+     ->  results/tune_weight_only_w8_decode_splits.json"""
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import quantfuse as qf  # noqa: E402
+from quantfuse.kernels import w8_decode as kwd  # noqa: E402
+from quantfuse.kernels import weight_only as kw  # noqa: E402
+
+SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192), (11008, 4096)]
+ROUNDS = int(os.environ.get("ROUNDS", "3"))
+
+
+def replaced(x, qw):
+    """The int8 decode tile weight_only_mm ran at M = 2..16 before w8_decode (fused_mm, the table's tile)."""
+    return kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, None, 8, qw.group_size, qw.shape[0])
+
+
+def splits_sweep():
+    rows = []
+    dev = torch.device("cuda")
+    for k, n in SHAPES + [(4096, 14336), (8192, 8192)]:
+        qw = qf.quantize_weight(torch.randn(n, k, device=dev), bits=8, group_size=-1, symmetric=True)
+        qws = [qw] + [qf.QuantizedWeight(qw.qweight.clone(), qw.scales.clone(), None, 8, -1, qw.shape, None)
+                      for _ in range(common.rotation_count(qw.qweight.numel() * 4) - 1)]
+        cfg = kwd.pick_config(kw.arch_key(dev.type, dev.index))
+        steps = -(-(-(-k // 64) * 64) // cfg.block_k)
+        for m in (4, 16):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            fns = {"ours": lambda q: qf.weight_only_mm(x, q)}
+            for s in (1, 2, 3, 4, 5, 6, 8):
+                if s <= steps:
+                    fns[f"s{s}"] = (lambda s: lambda q: kwd.w8_decode_mm(x, q.qweight, q.scales, None, None, n,
+                                                                         splits=s))(s)
+            best = {name: math.inf for name in fns}
+            for _ in range(2):
+                for name, fn in fns.items():
+                    best[name] = min(best[name], common.graph_us(fn, [(q,) for q in qws]))
+            row = dict(M=m, K=k, N=n, grid_n=-(-n // cfg.block_n), **best)
+            common.print_row(row)
+            rows.append(row)
+        del qws
+        torch.cuda.empty_cache()
+    common.finish("tune_weight_only_w8_decode_splits", "w8_decode: forced K splits vs the dispatch's count", rows,
+                  ["M", "K", "N", "grid_n", "ours"] + [f"s{s}" for s in (1, 2, 3, 4, 5, 6, 8)],
+                  "W8A16 per channel symmetric, float32 scales, bf16 x; CUDA graphs, weights rotated past L2, minimum "
+                  "of 2 alternated rounds; times in us; ours = weight_only_mm (w8_decode with its split rule), sN = N "
+                  "splits forced.")
+
+
+def main():
+    if "--splits" in sys.argv:
+        return splits_sweep()
+    rows = []
+    dev = torch.device("cuda")
+    arch = kw.arch_key(dev.type, dev.index)
+    for scale_dtype, ms in ((torch.float32, (2, 4, 8, 16)), (torch.bfloat16, (16,))):
+        for k, n in SHAPES:
+            qw = qf.quantize_weight(torch.randn(n, k, device=dev), bits=8, group_size=-1, symmetric=True,
+                                    scale_dtype=scale_dtype)
+            nbytes = qw.qweight.numel() * 4 + qw.scales.numel() * qw.scales.element_size()
+            qws = [qw] + [qf.QuantizedWeight(qw.qweight.clone(), qw.scales.clone(), None, 8, -1, qw.shape, None)
+                          for _ in range(common.rotation_count(nbytes) - 1)]
+            w_hat = qw.dequantize(torch.bfloat16)
+            lin = [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
+            for m in ms:
+                assert kwd.prefer(m, arch), "run on an sm90 device: the dispatch must take w8_decode here"
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                fns = {"ours": (lambda q: qf.weight_only_mm(x, q), [(q,) for q in qws]),
+                       "replaced": (lambda q: replaced(x, q), [(q,) for q in qws]),
+                       "bf16": (lambda w: F.linear(x, w), [(w,) for w in lin])}
+                best = {name: math.inf for name in fns}
+                for _ in range(ROUNDS):
+                    for name, (fn, sets) in fns.items():
+                        best[name] = min(best[name], common.graph_us(fn, sets))
+                row = dict(scales=str(scale_dtype).replace("torch.", ""), M=m, K=k, N=n, ours_us=best["ours"],
+                           replaced_us=best["replaced"], bf16_us=best["bf16"],
+                           ours_vs_replaced=best["replaced"] / best["ours"], ours_vs_bf16=best["bf16"] / best["ours"],
+                           weight_GBs=nbytes / best["ours"] / 1e3)
+                common.print_row(row)
+                rows.append(row)
+            del qws, lin
+            torch.cuda.empty_cache()
+    cfg = kwd.pick_config(arch)
+    common.finish("tune_weight_only_w8_decode", "W8A16 decode: w8_decode vs the int8 tile it replaced, and bf16",
+                  rows, ["scales", "M", "K", "N", "ours_us", "replaced_us", "bf16_us", "ours_vs_replaced",
+                         "ours_vs_bf16", "weight_GBs"],
+                  f"W8A16 per channel symmetric, bf16 x; CUDA graphs, weights rotated past L2, minimum of {ROUNDS} "
+                  f"alternated rounds. ours = quantfuse.weight_only_mm (w8_decode {cfg}); replaced = "
+                  f"weight_only.fused_mm with the int8 table tile (the dispatch before).")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""W8A16 decode (M = 2..16, one scale per output channel): the packed int8 codes read as a byte matrix straight into
+a `tl.dot` operand, the per-channel scale applied to the sums.
+
+Math (SPEC section 4): out[m, n] = s[n] * sum_k x[m, k] * (u[n, k] - z[n]) (+ bias[n]), float32 accumulation, one
+rounding. That is x @ W.T with the unrounded W = (u - z) * s, within one rounding per weight of x @ w_hat.T: the
+allowance `quantfuse.weight_only_mm` states (the M = 1 GEMVs use it too).
+
+Layout: in the packed layout (`weight_only` module doc) byte i of the little-endian int32 word j of a 64-code chunk
+is field i, k = 16 i + j; so a row of the [N, K_pad / 4] int32 words viewed as [N, K_pad] bytes holds, inside each
+chunk, k = 16 (p mod 4) + p / 4 at byte p. The dot's K order is free (it sums over it): the weight tile
+[BLOCK_K, BLOCK_N] is loaded as the bytes lie, and x [BLOCK_M, BLOCK_K] is read in k order and permuted in
+registers into the bytes' order (a reshape / permute of [BLOCK_M, BLOCK_K / 64, 4, 16]).
+
+Why: the int8 tiles of `weight_only._wo_mm_kernel` load int32 words, extract each field by a shift and a mask and
+scale every weight before the dot. Here each step's [BLOCK_K, BLOCK_N] bytes come through Triton's multi-stage
+load pipeline as one operand (the recipe of `scaled_mm`'s fp8 decode tiles, which stream the same number of
+weight bytes 1.1-1.3x faster than that tile on the H100), each byte becomes the exact u - z with the 2^23 trick
+(OR into the mantissa of 2^23, then subtract 2^23 + z: one LOP3 and one FADD, exact, then one conversion to x's
+dtype, exact for |u - z| <= 255), and the scale multiplies the sums once per output. One program per SM: a
+program's tile is 128 weight rows (columns of the output) by the 16 rows of x, and split-K over whole steps brings
+the programs to the SM count; float32 partials are reduced by `weight_only.splitk_reduce` with the bias and the
+one rounding.
+
+H100 (torch 2.11, Triton 3.6; CUDA graphs, weights rotated past L2, min of 3 alternated rounds in one call,
+results/tune_weight_only_w8_decode.json, W8A16 per channel, bf16 x) against the int8 tile it replaced
+(`weight_only.fused_mm`): float32 scales, M = 2 / 4 / 8 / 16, 1.02-1.16x on 4096x6144, 4096x28672, 14336x4096,
+28672x8192 and 11008x4096 (28672x8192 at M = 16: 92.6 us vs 108, 1.84x bf16; 14336x4096 30.2 vs 33.8) and
+0.96-1.01x at 8192x10240 (80 column blocks and no split: 80 programs); bfloat16 scales at M = 16 1.22-1.51x (that
+tile reads 16-bit scales per weight). At M = 1 the Gluon GEMV (`gemv_tma`) stays: this kernel's recipe ran
+0.79-1.02x it there (results/tune_weight_only_w8_bytes*.json and benchmarks/probe_w8_bytes.py hold the candidates:
+64 / 128 / 256 columns, 128 / 256 / 512 bytes per step, 3-6 stages, 1-4 programs per SM, x gathered in the bytes'
+order instead of permuted, the weight as the left operand).
+
+Scope (`applies`): int8 codes with one scale (and zero point) per output channel (group_size -1, or one group
+covering K), float16 / bfloat16 x with a contiguous last dimension, 1 <= M <= 16, packed words with contiguous
+rows. `weight_only_mm` runs it where `prefer` says (W8_DECODE_DISPATCH). The kernel is plain `tl` code, so the
+Triton interpreter runs it too (its dot in float32)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, cast_to, cdiv, launch_kernel
+from .configs import sm_count
+
+BLOCK_M = 16  # rows of x per program: every decode M in one program row
+CHUNK_BYTES = 64  # codes of one 16-word chunk (the permutation's period)
+
+
+@dataclass(frozen=True)
+class W8DecodeConfig:
+    """block_n weight rows (output columns) per program; block_k codes (bytes) per K step, a multiple of 64;
+    num_stages of the load pipeline; programs_per_sm sets the split-K target (column blocks x splits ~
+    programs_per_sm x SMs)."""
+    block_n: int = 128
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+    programs_per_sm: int = 1
+
+
+# Per architecture, the config that runs (H100: the module doc's measurements; in
+# results/tune_weight_only_w8_bytes_sweeps.json 3 stages were 2-3% faster at K = 4096 and 2-3% slower at K = 8192 /
+# 28672, the last split's program reducing the partials within 3%), and the M band where weight_only_mm prefers
+# this kernel. "default" (other GPUs, the interpreter tests): a small tile, not tuned.
+W8_DECODE_CONFIGS: Dict[str, W8DecodeConfig] = {"sm90": W8DecodeConfig(), "default": W8DecodeConfig(32, 64, 4, 2, 2)}
+W8_DECODE_DISPATCH: Dict[str, Dict[str, int]] = {"sm90": dict(min_m=2, max_m=16)}
+
+
+def check_config(cfg: W8DecodeConfig) -> None:
+    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+    if not pow2(cfg.block_n) or cfg.block_n < 16:
+        raise ValueError(f"config block_n: expected a power of two >= 16, got {cfg}")
+    if not pow2(cfg.block_k) or cfg.block_k < CHUNK_BYTES:
+        raise ValueError(f"config block_k: expected a power of two >= {CHUNK_BYTES} (whole chunks), got {cfg}")
+    if cfg.num_warps not in (1, 2, 4, 8) or cfg.num_stages < 1 or cfg.programs_per_sm < 1:
+        raise ValueError(f"config: expected num_warps in (1, 2, 4, 8), num_stages >= 1, programs_per_sm >= 1, "
+                         f"got {cfg}")
+
+
+def pick_config(arch: str) -> W8DecodeConfig:
+    return W8_DECODE_CONFIGS.get(arch, W8_DECODE_CONFIGS["default"])
+
+
+def prefer(m: int, arch: str) -> bool:
+    """Whether weight_only_mm runs this kernel for M rows on `arch` (configs.arch_key), where `applies`."""
+    rule = W8_DECODE_DISPATCH.get(arch)
+    return rule is not None and rule["min_m"] <= m <= rule["max_m"]
+
+
+def applies(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> bool:
+    """Whether the product can run here (module doc); the caller validated the arguments."""
+    return (bits == 8 and scales.shape[0] == 1 and 1 <= x2d.shape[0] <= BLOCK_M
+            and x2d.dtype in (torch.float16, torch.bfloat16) and x2d.stride(1) == 1
+            and qweight.dtype == torch.int32 and qweight.stride(1) == 1)
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRET: tl.constexpr):
+    if INTERPRET:  # the interpreter's dot mishandles 16-bit operands; float32 of the same values is exact
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _w8_decode_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
+                      M, N, K, K_PAD, k_per_split, stride_xm, stride_wn, stride_om,
+                      HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+    """out [M, N] (or split pid's float32 partial [M, N] with SPLIT) = s * (x @ (u - z)^T) over the split's bytes
+    [pid * k_per_split, + k_per_split) of K_PAD; w_ptr: the codes as bytes [N, K_PAD]. EVEN: K == K_PAD and every
+    step whole (no masks). Rows past M and columns past N read rows m mod M / n mod N (valid memory), never stored."""
+    pid_s = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rn = (offs_n % N).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    rm = (offs_m % M).to(tl.int64)
+    p_begin = pid_s * k_per_split
+    p_end = tl.minimum(p_begin + k_per_split, K_PAD)
+    pk = tl.arange(0, BLOCK_K)
+    if HAS_ZERO:
+        z = tl.load(z_ptr + rn).to(tl.float32)
+    else:
+        z = tl.full([BLOCK_N], 128.0, tl.float32)  # symmetric codes are biased by 2^(bits - 1)
+    zero_plus_magic = z + 8388608.0
+    w_ptrs = w_ptr + rn[None, :] * stride_wn + (p_begin + pk)[:, None]
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + (p_begin + pk)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for p in range(p_begin, p_end, BLOCK_K):
+        if EVEN:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(p + pk < p_end)[:, None], other=0)
+            x = tl.load(x_ptrs, mask=((p + pk < K) & (p + pk < p_end))[None, :], other=0.0)
+        # the exact u - z: the byte in the mantissa of 2^23 is the float 2^23 + u
+        u_magic = ((w.to(tl.int32) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+        wv = (u_magic - zero_plus_magic[None, :]).to(x_ptr.dtype.element_ty)
+        # x from k order (chunk, field, word) into the bytes' order (chunk, word, field)
+        xb = tl.reshape(tl.permute(tl.reshape(x, [BLOCK_M, BLOCK_K // 64, 4, 16]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
+        acc = _dot(xb, wv, acc, INTERPRET)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    acc = acc * tl.load(s_ptr + rn).to(tl.float32)[None, :]
+    rows64 = offs_m.to(tl.int64)[:, None]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_s.to(tl.int64) * M * N + rows64 * N + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows64 * stride_om + offs_n[None, :], cast_to(acc, out_ptr.dtype.element_ty, INTERPRET),
+                 mask=mask)
+
+
+def w8_decode_mm(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                 bias: Optional[torch.Tensor], n: int, config: Optional[W8DecodeConfig] = None,
+                 splits: Optional[int] = None, num_sms: Optional[int] = None, arch: str = "sm90") -> torch.Tensor:
+    """out [M, N] = s * (x2d @ (u - z).T) (+ bias) in x2d's dtype; the caller checked `applies` and validated the
+    arguments. config: default `pick_config(arch)`; splits: force the number of K splits (whole steps each)."""
+    from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
+
+    cfg = config or pick_config(arch)
+    check_config(cfg)
+    m, k = x2d.shape
+    w8 = qweight.view(torch.int8)  # [N, K_pad]: the words' bytes, little-endian
+    k_pad = w8.shape[1]
+    grid_n = cdiv(n, cfg.block_n)
+    steps = cdiv(k_pad, cfg.block_k)
+    if splits is None:
+        sms = num_sms or sm_count(x2d.device)
+        splits = max(1, min(steps, cfg.programs_per_sm * sms // grid_n))
+    elif splits < 1:
+        raise ValueError(f"splits: expected >= 1, got {splits}")
+    steps_per_split = cdiv(steps, min(splits, steps))
+    splits = cdiv(steps, steps_per_split)
+    out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
+    split = splits > 1
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out
+    launch_kernel(_w8_decode_kernel, (grid_n, splits),
+                  x2d, w8, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out,
+                  part, m, n, k, k_pad, steps_per_split * cfg.block_k, x2d.stride(0), w8.stride(0), out.stride(0),
+                  HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=BLOCK_M,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=k == k_pad and k_pad % cfg.block_k == 0,
+                  INTERPRET=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split:
+        splitk_reduce(part, bias, out)
+    return out

@@ -1,0 +1,148 @@
+"""The byte-view W8A16 decode kernel (kernels/w8_decode.py) under the interpreter: against the product with the
+unrounded weights W = (u - z) * s (the scale after the sums), identity rows bit for bit equal to w_hat, split-K,
+masks (K not a multiple of the chunk or the step, N not a multiple of the block, M < 16), padded rows, a NaN row,
+the dispatch band and bad configs."""
+
+import pytest
+import torch
+
+import quantfuse as qf
+from quantfuse.kernels import w8_decode as kwd
+from quantfuse.kernels import weight_only as kw
+from tests._util import KernelSpy
+
+BF16, FP16 = torch.bfloat16, torch.float16
+UNIT = {BF16: 2.0**-8, FP16: 2.0**-11}
+SM90_CFG = kwd.W8_DECODE_CONFIGS["sm90"]
+SMALL_CFG = kwd.W8_DECODE_CONFIGS["default"]
+
+
+def _qw(n, k, symmetric, scale_dtype=torch.float32):
+    return qf.quantize_weight(torch.randn(n, k) * 0.5, bits=8, group_size=-1, symmetric=symmetric,
+                              scale_dtype=scale_dtype)
+
+
+def _run(x, qw, bias=None, **kw_args):
+    return kwd.w8_decode_mm(x, qw.qweight, qw.scales, qw.zeros, bias, qw.shape[0], **kw_args)
+
+
+def _unrounded(qw):
+    """W = (u - z) * s in float64, [N, K]."""
+    return (qw.biased_codes().double() - qw.zero_points().double().t()) * qw.scales.double().t()
+
+
+def assert_scale_after_bound(y, x, qw, bias=None):
+    """|y - x @ W.T - bias| <= u |ref| + 2^-20 (|x| @ |W|.T + |bias|): one output rounding plus float32 noise."""
+    w = _unrounded(qw)
+    xd = x.double()
+    want = xd @ w.t()
+    mag = xd.abs() @ w.abs().t()
+    if bias is not None:
+        want, mag = want + bias.double(), mag + bias.double().abs()
+    err = (y.double() - want).abs()
+    ratio = float((err / (UNIT[y.dtype] * want.abs() + 2.0**-20 * mag + 1e-30)).max())
+    assert ratio <= 1.0, f"error {float(err.max())} exceeds the bound (ratio {ratio})"
+
+
+# (M, K, N, symmetric, dtype, scale dtype, bias, splits, config): K = 8 (one partial chunk), 200 / 264 (K_pad past
+# K, a partial step), 4096 (many steps, split), N below / past the block, M = 1 .. 16
+CASES = [
+    (1, 8, 1, True, BF16, torch.float32, False, None, SMALL_CFG),
+    (2, 200, 33, False, BF16, torch.float32, True, 2, SMALL_CFG),
+    (5, 576, 130, True, FP16, torch.float16, True, 3, SMALL_CFG),
+    (16, 264, 17, False, FP16, torch.float32, False, None, SM90_CFG),
+    (7, 1024, 300, True, BF16, torch.bfloat16, True, 1, SM90_CFG),
+    (16, 4096, 40, False, BF16, torch.float32, True, 5, SM90_CFG),
+    (3, 520, 129, False, FP16, torch.float16, False, 4, SM90_CFG),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-K{c[1]}-N{c[2]}-{'s' if c[3] else 'a'}-{c[4]}-"
+                         f"s{c[5]}{'-bias' if c[6] else ''}-splits{c[7]}-n{c[8].block_n}")
+def test_against_the_unrounded_product(case):
+    m, k, n, symmetric, dtype, scale_dtype, has_bias, splits, cfg = case
+    qw = _qw(n, k, symmetric, scale_dtype)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n).to(dtype) if has_bias else None
+    y = _run(x, qw, bias, config=cfg, splits=splits, num_sms=4)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert_scale_after_bound(y, x, qw, bias)
+
+
+@pytest.mark.parametrize("cfg", [SMALL_CFG, SM90_CFG], ids=["small", "sm90"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_identity_rows_equal_w_hat_bit_for_bit(cfg, splits):
+    # x = rows of the identity: each output is one exact (u - z) times s, rounded as the reference rounds w_hat;
+    # the other splits add exact zeros
+    k, n = 200, 70
+    qw = _qw(n, k, symmetric=False)
+    cols = torch.tensor([0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 150, 191, 192, 193, 198, 199])
+    for dtype in (BF16, FP16):
+        x = torch.zeros(cols.numel(), k, dtype=dtype)
+        x[torch.arange(cols.numel()), cols] = 1
+        y = _run(x, qw, config=cfg, splits=splits, num_sms=4)
+        want = qw.dequantize(dtype)[:, cols].t()
+        assert torch.equal(y.view(torch.int16), want.contiguous().view(torch.int16))
+
+
+def test_padded_rows_and_nan_row_isolation():
+    k, n = 576, 90
+    qw = _qw(n, k, symmetric=True)
+    big = torch.randn(6, k + 8).to(BF16)
+    x = big[:, :k]
+    y = _run(x, qw, config=SMALL_CFG, splits=2, num_sms=4)
+    assert torch.equal(y, _run(x.contiguous(), qw, config=SMALL_CFG, splits=2, num_sms=4))
+    poisoned = x.clone()
+    poisoned[3, 100] = float("nan")
+    yp = _run(poisoned, qw, config=SMALL_CFG, splits=2, num_sms=4)
+    assert bool(torch.isnan(yp[3]).all())
+    others = [0, 1, 2, 4, 5]
+    assert torch.equal(yp[others], y[others])
+
+
+def test_dispatch_band(monkeypatch, triton_backend):
+    # as on an sm90 device: int8 per channel at M = 2..16 runs here; M = 1, grouped int8 and int4 do not
+    monkeypatch.setattr(kw, "arch_key", lambda *a: "sm90")
+    spy = KernelSpy(kwd._w8_decode_kernel)
+    monkeypatch.setattr(kwd, "_w8_decode_kernel", spy)
+    k, n = 256, 48
+    per_channel = _qw(n, k, symmetric=True)
+    grouped = qf.quantize_weight(torch.randn(n, k), bits=8, group_size=128)
+    int4 = qf.quantize_weight(torch.randn(n, k), bits=4, group_size=-1)
+    for m, qw, runs in [(2, per_channel, True), (16, per_channel, True), (1, per_channel, False),
+                        (17, per_channel, False), (4, grouped, False), (4, int4, False)]:
+        before = len(spy.calls)
+        x = torch.randn(m, k).to(BF16)
+        y = qf.weight_only_mm(x, qw)
+        assert (len(spy.calls) > before) == runs, (m, qw)
+        if runs:
+            assert_scale_after_bound(y, x, qw)
+    assert kwd.prefer(2, "sm90") and kwd.prefer(16, "sm90")
+    assert not kwd.prefer(1, "sm90") and not kwd.prefer(17, "sm90") and not kwd.prefer(8, "default")
+
+
+def test_applies_scope():
+    qw = _qw(16, 64, symmetric=True)
+    x = torch.randn(4, 64).to(BF16)
+    assert kwd.applies(x, qw.qweight, qw.scales, 8)
+    assert not kwd.applies(x.float(), qw.qweight, qw.scales, 8)
+    assert not kwd.applies(torch.randn(17, 64).to(BF16), qw.qweight, qw.scales, 8)
+    assert not kwd.applies(x, qw.qweight, torch.ones(2, 16), 8)
+    assert not kwd.applies(x, qw.qweight, qw.scales, 4)
+    assert not kwd.applies(torch.randn(64, 4).to(BF16).t(), qw.qweight, qw.scales, 8)
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (kwd.W8DecodeConfig(block_n=96), "block_n"),
+    (kwd.W8DecodeConfig(block_n=8), "block_n"),
+    (kwd.W8DecodeConfig(block_k=32), "block_k"),
+    (kwd.W8DecodeConfig(block_k=192), "block_k"),
+    (kwd.W8DecodeConfig(num_warps=3), "num_warps"),
+    (kwd.W8DecodeConfig(programs_per_sm=0), "programs_per_sm"),
+])
+def test_bad_configs(cfg, match):
+    qw = _qw(16, 64, symmetric=True)
+    with pytest.raises(ValueError, match=match):
+        _run(torch.randn(2, 64).to(BF16), qw, config=cfg)
+    with pytest.raises(ValueError, match="splits"):
+        _run(torch.randn(2, 64).to(BF16), qw, config=SMALL_CFG, splits=0)
