@@ -15,11 +15,14 @@ Why: the int8 tiles of `weight_only._wo_mm_kernel` load int32 words, extract eac
 scale every weight before the dot. Here each step's [BLOCK_K, BLOCK_N] bytes come through Triton's multi-stage
 load pipeline as one operand (the recipe of `scaled_mm`'s fp8 decode tiles, which stream the same number of
 weight bytes 1.1-1.3x faster than that tile on the H100), each byte becomes the exact u - z with the 2^23 trick
-(OR into the mantissa of 2^23, then subtract 2^23 + z: one LOP3 and one FADD, exact, then one conversion to x's
-dtype, exact for |u - z| <= 255), and the scale multiplies the sums once per output. One program per SM: a
-program's tile is 128 weight rows (columns of the output) by the 16 rows of x, and split-K over whole steps brings
-the programs to the SM count; float32 partials are reduced by `weight_only.splitk_reduce` with the bias and the
-one rounding.
+(one PRMT puts the byte under 0x4B0000: the float 2^23 + u; one FADD subtracts 2^23 + z, exact; half an F2FP
+rounds the pair to x's dtype, exact for |u - z| <= 255), and the scale multiplies the sums once per output. The
+kernel is issue-bound at one warp per scheduler (ncu at 14336x4096, M = 16: 2.14 cycles per issued instruction,
+DRAM at 67% of peak), so instructions per weight are its budget: the PRMT replaced plain tl's zero-extension and
+OR (a PRMT and a LOP3 per weight), 1.01-1.13x, bit-identical (results/tune_weight_only_w8_decode_prmt.json).
+One program per SM: a program's tile is 128 weight rows (columns of the output) by the 16 rows of x, and split-K
+over whole steps brings the programs to the SM count; float32 partials are reduced by `weight_only.splitk_reduce`
+with the bias and the one rounding.
 
 H100 (torch 2.11, Triton 3.6; CUDA graphs, weights rotated past L2, min of 3 alternated rounds in one call,
 results/tune_weight_only_w8_decode.json, W8A16 per channel, bf16 x) against the int8 tile it replaced
@@ -100,6 +103,22 @@ def applies(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits
             and qweight.dtype == torch.int32 and qweight.stride(1) == 1)
 
 
+# Four bytes of one register to four float32 2^23 + u: PRMT copies byte i under the bytes 0x4B 0x00 0x00 (selector
+# nibbles, low byte first: i, 4, 4, 7 of {0x4B000000, word}), one instruction per weight; in plain tl the
+# zero-extension and the OR cost a PRMT and a LOP3 per weight (ptxas, sm90).
+_BYTES_TO_MAGIC = tl.constexpr(" ".join(f"prmt.b32 ${i}, $4, 0x4B000000, {0x7440 + i:#06x};" for i in range(4)))
+
+
+@triton.jit
+def _magic_bytes(w, INTERPRET: tl.constexpr):
+    """The float32 2^23 + u of each byte u of the int8 tile w (its bits unsigned), exact."""
+    if INTERPRET:  # the interpreter cannot run PTX: the same bits in plain tl
+        return ((w.to(tl.int32) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
+    else:
+        return tl.inline_asm_elementwise(_BYTES_TO_MAGIC, "=r,=r,=r,=r,r", [w], dtype=tl.float32, is_pure=True,
+                                         pack=4)
+
+
 @triton.jit
 def _dot(a, b, acc, INTERPRET: tl.constexpr):
     if INTERPRET:  # the interpreter's dot mishandles 16-bit operands; float32 of the same values is exact
@@ -142,8 +161,7 @@ def _w8_decode_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
             w = tl.load(w_ptrs, mask=(p + pk < p_end)[:, None], other=0)
             x = tl.load(x_ptrs, mask=((p + pk < K) & (p + pk < p_end))[None, :], other=0.0)
         # the exact u - z: the byte in the mantissa of 2^23 is the float 2^23 + u
-        u_magic = ((w.to(tl.int32) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)
-        wv = (u_magic - zero_plus_magic[None, :]).to(x_ptr.dtype.element_ty)
+        wv = (_magic_bytes(w, INTERPRET) - zero_plus_magic[None, :]).to(x_ptr.dtype.element_ty)
         # x from k order (chunk, field, word) into the bytes' order (chunk, word, field)
         xb = tl.reshape(tl.permute(tl.reshape(x, [BLOCK_M, BLOCK_K // 64, 4, 16]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
         acc = _dot(xb, wv, acc, INTERPRET)
