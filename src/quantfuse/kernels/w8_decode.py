@@ -26,13 +26,13 @@ with the bias and the one rounding.
 
 H100 (torch 2.11, Triton 3.6; CUDA graphs, weights rotated past L2, min of 3 alternated rounds in one call,
 results/tune_weight_only_w8_decode.json, W8A16 per channel, bf16 x) against the int8 tile it replaced
-(`weight_only.fused_mm`): float32 scales, M = 2 / 4 / 8 / 16, 1.02-1.16x on 4096x6144, 4096x28672, 14336x4096,
-28672x8192 and 11008x4096 (28672x8192 at M = 16: 92.6 us vs 108, 1.84x bf16; 14336x4096 30.2 vs 33.8) and
-0.96-1.01x at 8192x10240 (80 column blocks and no split: 80 programs); bfloat16 scales at M = 16 1.22-1.51x (that
-tile reads 16-bit scales per weight). At M = 1 the Gluon GEMV (`gemv_tma`) stays: this kernel's recipe ran
-0.79-1.02x it there (results/tune_weight_only_w8_bytes*.json and benchmarks/probe_w8_bytes.py hold the candidates:
-64 / 128 / 256 columns, 128 / 256 / 512 bytes per step, 3-6 stages, 1-4 programs per SM, x gathered in the bytes'
-order instead of permuted, the weight as the left operand).
+(`weight_only.fused_mm`): float32 scales, M = 2 / 4 / 8 / 16, 1.09-1.17x on all six shapes (28672x8192 at M = 16:
+92.3 us vs 108, 1.84x bf16; 8192x10240 40.0 vs 45.2, 1.80x; 14336x4096 29.6 vs 33.7); bfloat16 scales at M = 16
+1.34-1.56x (that tile reads 16-bit scales per weight). At M = 1 the Gluon GEMV (`gemv_tma`) stays: this kernel's
+recipe (before the PRMT) ran 0.79-1.02x it there (results/tune_weight_only_w8_bytes*.json and
+benchmarks/probe_w8_bytes.py hold the candidates: 64 / 128 / 256 columns, 128 / 256 / 512 bytes per step, 3-6
+stages, 1-4 programs per SM, x gathered in the bytes' order instead of permuted, the weight as the left operand;
+results/tune_weight_only_w8_decode_configs.json the neighbours of the shipped config after it).
 
 Scope (`applies`): int8 codes with one scale (and zero point) per output channel (group_size -1, or one group
 covering K), float16 / bfloat16 x with a contiguous last dimension, 1 <= M <= 16, packed words with contiguous
