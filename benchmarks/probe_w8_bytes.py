@@ -33,20 +33,13 @@ import common  # noqa: E402
 import quantfuse as qf  # noqa: E402
 from quantfuse.kernels import weight_only as wo  # noqa: E402
 from quantfuse.kernels._common import INTERPRET, cast_to, cdiv  # noqa: E402
+from quantfuse.kernels.w8_decode import _dot  # noqa: E402  (the same dot, interpreter twin included)
 
 
 @triton.jit
 def _codes(w, zm):
     """The exact u - z of int8 bytes as float32: the byte OR-ed into the mantissa of 2^23, minus 2^23 + z."""
     return ((w.to(tl.int32) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - zm
-
-
-@triton.jit
-def _dot(a, b, acc, INTERPRET: tl.constexpr):
-    if INTERPRET:  # the interpreter's dot mishandles bfloat16 operands; float32 of the same values is exact
-        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit

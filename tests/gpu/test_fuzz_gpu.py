@@ -21,6 +21,7 @@ import torch
 import quantfuse as qf
 from quantfuse import reference as ref
 from tests._util import assert_codes_equal
+from tests.gpu.test_scaled_mm_gpu import _operands as scaled_operands
 from tests.gpu.test_scaled_mm_gpu import assert_within_bound as assert_scaled_within_bound
 from tests.gpu.test_silu_quant_gpu import assert_close_outputs
 from tests.gpu.test_weight_only_gpu import _weight as weight_with_block_magnitudes
@@ -86,18 +87,12 @@ def test_fuzz_weight_only_mm(seed):
 
 
 def _scaled_operands(rng, m, k, n, dtype):
-    if dtype == INT8:
-        a = torch.randint(-128, 128, (m, k), dtype=INT8, device=DEV)
-        w = torch.randint(-128, 128, (n, k), dtype=INT8, device=DEV)
-    else:
-        a = (torch.randn(m, k, device=DEV) * 60).to(FP8)
-        w = (torch.randn(n, k, device=DEV) * 60).to(FP8)
+    a, b = scaled_operands(m, k, n, dtype)  # b = w.t(), K-contiguous
+    w = b.t()
     layout = rng.choice(["kmajor", "kmajor", "nmajor", "sliced"])
-    if layout == "kmajor":
-        b = w.t()
-    elif layout == "nmajor":
+    if layout == "nmajor":
         b = w.t().contiguous()
-    else:  # both strides non-unit: every other row and column of a larger [2K, 2N] matrix
+    elif layout == "sliced":  # both strides non-unit: every other row and column of a larger [2K, 2N] matrix
         big = torch.zeros(2 * k, 2 * n, dtype=torch.int8, device=DEV)
         big[::2, ::2] = w.t().view(torch.int8)
         b = big.view(dtype)[::2, ::2]

@@ -146,3 +146,12 @@ def test_bad_configs(cfg, match):
         _run(torch.randn(2, 64).to(BF16), qw, config=cfg)
     with pytest.raises(ValueError, match="splits"):
         _run(torch.randn(2, 64).to(BF16), qw, config=SMALL_CFG, splits=0)
+
+
+def test_launcher_refuses_what_it_cannot_compute():
+    qw = _qw(16, 64, symmetric=True)
+    with pytest.raises(ValueError, match="x2d"):
+        _run(torch.randn(17, 64).to(BF16), qw, config=SMALL_CFG)
+    grouped = qf.quantize_weight(torch.randn(16, 64), bits=8, group_size=32)
+    with pytest.raises(ValueError, match="scales"):
+        _run(torch.randn(2, 64).to(BF16), grouped, config=SMALL_CFG)

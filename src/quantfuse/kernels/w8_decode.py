@@ -189,6 +189,14 @@ def w8_decode_mm(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     cfg = config or pick_config(arch)
     check_config(cfg)
     m, k = x2d.shape
+    # the kernel has one program row of BLOCK_M rows and one scale row: anything else would leave rows unwritten or
+    # read the wrong scales, so it is refused here even though `applies` keeps the dispatch away from it
+    if not 1 <= m <= BLOCK_M:
+        raise ValueError(f"x2d: expected 1..{BLOCK_M} rows (w8_decode is a decode kernel), got shape "
+                         f"{tuple(x2d.shape)}")
+    if scales.shape[0] != 1 or (zeros is not None and zeros.shape[0] != 1):
+        raise ValueError(f"scales: expected one row (per-channel scales and zero points), got shape "
+                         f"{tuple(scales.shape)}")
     w8 = qweight.view(torch.int8)  # [N, K_pad]: the words' bytes, little-endian
     k_pad = w8.shape[1]
     grid_n = cdiv(n, cfg.block_n)
