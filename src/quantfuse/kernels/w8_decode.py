@@ -19,7 +19,9 @@ weight bytes 1.1-1.3x faster than that tile on the H100), each byte becomes the 
 rounds the pair to x's dtype, exact for |u - z| <= 255), and the scale multiplies the sums once per output. The
 kernel is issue-bound at one warp per scheduler (ncu at 14336x4096, M = 16: 2.14 cycles per issued instruction,
 DRAM at 67% of peak), so instructions per weight are its budget: the PRMT replaced plain tl's zero-extension and
-OR (a PRMT and a LOP3 per weight), 1.01-1.13x, bit-identical (results/tune_weight_only_w8_decode_prmt.json).
+OR (a PRMT and a LOP3 per weight), 1.01-1.13x, bit-identical (results/tune_weight_only_w8_decode_prmt.json); with
+float16 x two bytes per PRMT become the float16 pair (1024 + u, 1024 + u') and one HSUB2 of (1024 + z) pairs leaves
+u - z: one instruction per weight, 1.01-1.10x more, bit-identical (results/tune_weight_only_w8_decode_f16.json).
 One program per SM: a program's tile is 128 weight rows (columns of the output) by the 16 rows of x, and split-K
 over whole steps brings the programs to the SM count; float32 partials are reduced by `weight_only.splitk_reduce`
 with the bias and the one rounding.
@@ -119,6 +121,27 @@ def _magic_bytes(w, INTERPRET: tl.constexpr):
                                          pack=4)
 
 
+# float16 x: two weights per PRMT + HSUB2. PRMT lays bytes 0 / 1 (2 / 3) of the word under 0x64 in two 16-bit lanes
+# (selector nibbles 0, 4, 1, 4 of {0x64646464, word}): the float16 pair (1024 + u, 1024 + u'), exact for u < 1024;
+# subtracting the pair (1024 + z) leaves the exact u - z. One instruction per weight instead of PRMT + FADD + half
+# an F2FP through float32 (bfloat16's 8 significant bits cannot hold 128 + u for u >= 128, so it keeps that path).
+_BYTES_MINUS_ZERO_F16 = tl.constexpr("prmt.b32 $0, $2, 0x64646464, 0x4140; prmt.b32 $1, $2, 0x64646464, 0x4342; "
+                                     "sub.f16x2 $0, $0, $3; sub.f16x2 $1, $1, $4;")
+
+
+@triton.jit
+def _codes_minus_zero(w, zero_plus_magic, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """The exact u - z of each byte u of the int8 tile w ([BLOCK_K, BLOCK_N], bits unsigned) in DTYPE; z per column
+    as zero_plus_magic = 2^23 + z ([BLOCK_N], float32)."""
+    if DTYPE == tl.float16 and not INTERPRET:
+        z_pair = (zero_plus_magic - 8387584.0).to(tl.float16)  # 1024 + z (exact: < 2048)
+        z_pair = tl.broadcast_to(z_pair[None, :], w.shape)
+        return tl.inline_asm_elementwise(_BYTES_MINUS_ZERO_F16, "=r,=r,r,r,r", [w, z_pair], dtype=tl.float16,
+                                         is_pure=True, pack=4)
+    else:
+        return (_magic_bytes(w, INTERPRET) - zero_plus_magic[None, :]).to(DTYPE)
+
+
 @triton.jit
 def _dot(a, b, acc, INTERPRET: tl.constexpr):
     if INTERPRET:  # the interpreter's dot mishandles 16-bit operands; float32 of the same values is exact
@@ -160,8 +183,7 @@ def _w8_decode_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
         else:
             w = tl.load(w_ptrs, mask=(p + pk < p_end)[:, None], other=0)
             x = tl.load(x_ptrs, mask=((p + pk < K) & (p + pk < p_end))[None, :], other=0.0)
-        # the exact u - z: the byte in the mantissa of 2^23 is the float 2^23 + u
-        wv = (_magic_bytes(w, INTERPRET) - zero_plus_magic[None, :]).to(x_ptr.dtype.element_ty)
+        wv = _codes_minus_zero(w, zero_plus_magic, x_ptr.dtype.element_ty, INTERPRET)
         # x from k order (chunk, field, word) into the bytes' order (chunk, word, field)
         xb = tl.reshape(tl.permute(tl.reshape(x, [BLOCK_M, BLOCK_K // 64, 4, 16]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
         acc = _dot(xb, wv, acc, INTERPRET)
