@@ -144,11 +144,8 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
         return f"gluon mma decode {cfg.block_n}w{cfg.num_warps}" + ("" if cfg.fused_reduce else " +reduce")
     if bits == 8 and kwd.prefer(m, kw.arch_key(dev.type, dev.index)):  # per channel here: applies
         cfg = kwd.pick_config(kw.arch_key(dev.type, dev.index))
-        k_pad = -(-k // 64) * 64  # whole 64-code chunks
-        grid, steps = -(-n // cfg.block_n), -(-k_pad // cfg.block_k)
-        splits = max(1, min(steps, cfg.programs_per_sm * kw._num_sms(dev) // grid))
-        per = -(-steps // splits)
-        return f"w8 decode {kwd.BLOCK_M}x{cfg.block_n} splitK={-(-steps // per)}"
+        _, splits, _ = kwd.split_plan(n, -(-k // 64) * 64, cfg, kw._num_sms(dev))  # K_pad: whole 64-code chunks
+        return f"w8 decode {kwd.BLOCK_M}x{cfg.block_n} splitK={splits}"
     if m == 1 and gt.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0) and kw.prefer_gemv_tma(
             bits, n, k, tile, kw._num_sms(dev)):
         cfg = gt.pick_config(bits, dev)

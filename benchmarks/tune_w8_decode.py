@@ -41,7 +41,7 @@ def splits_sweep():
         qws = [qw] + [qf.QuantizedWeight(qw.qweight.clone(), qw.scales.clone(), None, 8, -1, qw.shape, None)
                       for _ in range(common.rotation_count(qw.qweight.numel() * 4) - 1)]
         cfg = kwd.pick_config(kw.arch_key(dev.type, dev.index))
-        steps = -(-(-(-k // 64) * 64) // cfg.block_k)
+        steps = kwd.split_plan(n, qw.qweight.shape[1] * 4, cfg, kw._num_sms(dev))[0]
         for m in (4, 16):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             fns = {"ours": lambda q: qf.weight_only_mm(x, q)}

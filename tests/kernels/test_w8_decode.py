@@ -132,6 +132,17 @@ def test_applies_scope():
     assert not kwd.applies(torch.randn(64, 4).to(BF16).t(), qw.qweight, qw.scales, 8)
 
 
+def test_shipped_configs_and_split_plan():
+    for cfg in kwd.W8_DECODE_CONFIGS.values():
+        kwd.check_config(cfg)
+    # 4096x6144 on 132 SMs: 48 column blocks, 16 steps of 256 bytes, 132 // 48 = 2 splits of 8 steps
+    assert kwd.split_plan(6144, 4096, SM90_CFG, 132) == (16, 2, 8)
+    # 28672 columns fill the SMs alone: no split; a forced count rounds to whole steps (5 -> 4 per split, 4 splits)
+    assert kwd.split_plan(28672, 4096, SM90_CFG, 132) == (16, 1, 16)
+    assert kwd.split_plan(6144, 4096, SM90_CFG, 132, splits=5) == (16, 4, 4)
+    assert kwd.split_plan(6144, 320, SM90_CFG, 132, splits=8) == (2, 2, 1)
+
+
 @pytest.mark.parametrize("cfg,match", [
     (kwd.W8DecodeConfig(block_n=96), "block_n"),
     (kwd.W8DecodeConfig(block_n=8), "block_n"),

@@ -201,6 +201,18 @@ def _w8_decode_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
                  mask=mask)
 
 
+def split_plan(n: int, k_pad: int, cfg: W8DecodeConfig, num_sms: int, splits: Optional[int] = None):
+    """(K steps, splits, steps per split) of a launch over [N, K_pad] codes: splits forced, or programs_per_sm x SMs
+    over the column blocks (floored), each split a whole number of steps (the last possibly fewer)."""
+    steps = cdiv(k_pad, cfg.block_k)
+    if splits is None:
+        splits = max(1, min(steps, cfg.programs_per_sm * num_sms // cdiv(n, cfg.block_n)))
+    elif splits < 1:
+        raise ValueError(f"splits: expected >= 1, got {splits}")
+    per = cdiv(steps, min(splits, steps))
+    return steps, cdiv(steps, per), per
+
+
 def w8_decode_mm(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], n: int, config: Optional[W8DecodeConfig] = None,
                  splits: Optional[int] = None, num_sms: Optional[int] = None, arch: str = "sm90") -> torch.Tensor:
@@ -208,8 +220,9 @@ def w8_decode_mm(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     arguments. config: default `pick_config(arch)`; splits: force the number of K splits (whole steps each)."""
     from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
 
+    if config is not None:  # the shipped configs are checked by the tests, not on every decode call
+        check_config(config)
     cfg = config or pick_config(arch)
-    check_config(cfg)
     m, k = x2d.shape
     # the kernel has one program row of BLOCK_M rows and one scale row: anything else would leave rows unwritten or
     # read the wrong scales, so it is refused here even though `applies` keeps the dispatch away from it
@@ -222,14 +235,7 @@ def w8_decode_mm(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     w8 = qweight.view(torch.int8)  # [N, K_pad]: the words' bytes, little-endian
     k_pad = w8.shape[1]
     grid_n = cdiv(n, cfg.block_n)
-    steps = cdiv(k_pad, cfg.block_k)
-    if splits is None:
-        sms = num_sms or sm_count(x2d.device)
-        splits = max(1, min(steps, cfg.programs_per_sm * sms // grid_n))
-    elif splits < 1:
-        raise ValueError(f"splits: expected >= 1, got {splits}")
-    steps_per_split = cdiv(steps, min(splits, steps))
-    splits = cdiv(steps, steps_per_split)
+    _, splits, steps_per_split = split_plan(n, k_pad, cfg, num_sms or sm_count(x2d.device), splits)
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
     split = splits > 1
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out
