@@ -35,7 +35,10 @@ def build_ops():
     qf8, sf8, _ = qf.quantize_per_token(x, torch.float8_e4m3fn)
     gate_up = torch.randn(M, 2 * 3584, device=DEV, dtype=torch.bfloat16)
     qw = qf.quantize_weight(w.float(), bits=4, group_size=128)
+    qw8 = qf.quantize_weight(w.float(), bits=8, group_size=-1)
     x1 = x[:1].clone()
+    qg, sg, _ = qf.quantize_per_group(x, torch.float8_e4m3fn, group_size=128)
+    sb = torch.rand(K // 128, N // 128, device=DEV) + 0.5
     return {
         "F.linear": lambda: F.linear(x, w),
         "torch._scaled_mm fp8": lambda: torch._scaled_mm(qf8, wf8.t(), scale_a=sf8.reshape(-1, 1),
@@ -47,7 +50,10 @@ def build_ops():
         "scaled_mm fp8": lambda: qf.scaled_mm(qf8, wf8.t(), sf8, sw, torch.bfloat16),
         "silu_and_mul_quant int8": lambda: qf.silu_and_mul_quant(gate_up, torch.int8),
         "weight_only_mm M=1": lambda: qf.weight_only_mm(x1, qw),
+        "weight_only_mm M=512": lambda: qf.weight_only_mm(x[:512], qw),
         "weight_only_mm M=2048": lambda: qf.weight_only_mm(x, qw),
+        "weight_only_mm int8 M=1": lambda: qf.weight_only_mm(x1, qw8),
+        "scaled_mm_blockwise fp8": lambda: qf.scaled_mm_blockwise(qg, wf8.t(), sg, sb, torch.bfloat16),
     }
 
 

@@ -108,3 +108,42 @@ def test_a_launch_hook_takes_the_jit_path():
             knobs.runtime.launch_enter_hook = chain
     assert len(seen) == 1
     assert not _common._HOOKS_SET()
+
+
+def _gluon_launches():
+    """(label, call) for launchers that hand Gluon tensor descriptors to their kernels, where this GPU runs them."""
+    import quantfuse as qf
+    from quantfuse.kernels import gemv_tma, weight_only, weight_only_ws
+
+    calls = []
+    x1 = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    q8 = qf.quantize_weight(torch.randn(4096, 4096, device="cuda"), bits=8, group_size=-1)
+    if gemv_tma.applies(x1, q8.qweight, q8.scales, 8, -1, 4096):
+        calls.append(("gemv_tma int8 M=1", lambda: weight_only.gemv_tma_mm(x1, q8.qweight, q8.scales, None, None, 8,
+                                                                            -1, 4096)))
+    x = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
+    q4 = qf.quantize_weight(torch.randn(4096, 4096, device="cuda"), bits=4, group_size=128)
+    if weight_only_ws.applies(x, q4.qweight, q4.scales, 4, 128, None):
+        calls.append(("weight_only_ws int4 M=1024", lambda: weight_only_ws.ws_w4_mm(x, q4.qweight, q4.scales, None,
+                                                                                     None, 128, 4096)))
+    assert calls, "no Gluon descriptor launcher applies on this GPU"
+    return calls
+
+
+def test_gluon_descriptor_launches_hit_the_cache(monkeypatch):
+    # Gluon's TensorDescriptor is keyed too (dtype, block, layout): the second call of an op whose kernel takes
+    # descriptors launches the compiled kernel directly (no JIT binding), with the same output, in graphs too
+    for label, call in _gluon_launches():
+        first = call()
+        misses = []
+        real_miss = _common._LaunchCache.miss
+        monkeypatch.setattr(_common._LaunchCache, "miss", lambda self, *a: misses.append(self.fn) or real_miss(self, *a))
+        again = call()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            captured = call()
+        g.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setattr(_common._LaunchCache, "miss", real_miss)
+        assert not misses, f"{label}: JIT path taken for {misses}"
+        assert torch.equal(again, first) and torch.equal(captured, first), label

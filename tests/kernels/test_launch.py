@@ -56,3 +56,20 @@ def test_describable_transposed_equals_describable_of_the_view():
         assert describable_transposed(b) == want
         seen.add(want)
     assert seen == {True, False}
+
+
+def test_gluon_descriptor_specs_key_dtype_block_and_layout():
+    from quantfuse.kernels._common import GluonTensorDescriptor
+
+    if GluonTensorDescriptor is None:
+        pytest.skip("this Triton has no Gluon")
+    from quantfuse.kernels._gluon import operand_descriptor, unswizzled_layout
+
+    t = torch.zeros(64, 64, dtype=torch.float16)
+    swizzled = _arg_spec(operand_descriptor(t, [16, 64]))
+    assert swizzled == _arg_spec(operand_descriptor(torch.zeros(32, 64, dtype=torch.float16), [16, 64]))
+    assert swizzled != _arg_spec(operand_descriptor(t, [32, 64]))  # block
+    assert swizzled != _arg_spec(operand_descriptor(t.to(torch.bfloat16), [16, 64]))  # dtype
+    flat = GluonTensorDescriptor(t, [64, 64], [64, 1], [16, 64], unswizzled_layout(16, 2))
+    assert swizzled != _arg_spec(flat)  # layout
+    assert unswizzled_layout(16, 2) is unswizzled_layout(16, 2)  # made once

@@ -53,10 +53,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # 25-40 us of host time on the H100 machine, where the kernels of a decode step or a BERT layer take 5-50 us,
 # so eager models were launch-bound (results/host_calls_ab.txt). `launch_kernel` keeps the compiled kernel of each
 # (device, keyword arguments, argument specialization) and hands the arguments straight to its launcher.
-# The key is at least as fine as Triton's own (each argument's type, pointer alignment, integer
-# divisibility / one / width, descriptor block), so a hit always runs the binary the JIT would pick; a miss,
-# the interpreter, a launch hook (profilers) or anything unexpected goes through the JIT unchanged. (A hit does
-# not re-check the kernel's global constants, which the JIT does: quantfuse's kernels never rebind theirs.)
+# The key is at least as fine as Triton's own (each argument's type, pointer alignment, integer divisibility / one /
+# width, descriptor block and, for Gluon's descriptors, shared layout), so a hit always runs the binary the JIT would
+# pick; a miss, the interpreter, a launch hook (profilers) or anything unexpected goes through the JIT unchanged. (A
+# hit does not re-check the kernel's global constants, which the JIT does: quantfuse's kernels never rebind theirs.)
+# An argument of a type the key does not know makes every call a miss: until stop 49 that was every Gluon
+# descriptor, so the sm90 Gluon kernels paid the JIT's binding on each eager call (results/host_calls_ab.txt, C).
 
 class _Fallback(Exception):
     pass
@@ -74,6 +76,8 @@ def _arg_spec(a):
         return t
     if TensorDescriptor is not None and t is TensorDescriptor:
         return (a.base.dtype, tuple(a.block_shape), getattr(a, "padding", None))
+    if t is GluonTensorDescriptor:  # Triton keys it on its shared-memory layout too
+        return (a.base.dtype, tuple(a.block_shape), a.layout, a.padding)
     raise _Fallback
 
 
@@ -171,6 +175,11 @@ try:  # host-side tensor descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover -- older Triton: pointer loads only
     TensorDescriptor = None
+
+try:  # Gluon's descriptors (with their shared-memory layout), which the sm90 Gluon kernels take
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except Exception:  # noqa: BLE001 -- no Gluon: _gluon.GLUON_AVAILABLE is False and no kernel passes one
+    GluonTensorDescriptor = None
 
 
 def describable(*tensors) -> bool:

@@ -34,17 +34,26 @@ __all__ = ["GLUON_AVAILABLE", "sm90_exactly", "WS_CONSUMER_REGS", "WS_MAXNREG"]
 if GLUON_AVAILABLE:
     __all__ += ["gluon", "gl", "mbarrier", "mma_v2", "tma", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait",
                 "TensorDescriptor", "cta_barrier", "fence_async_shared", "tma_load", "tile_coords", "signal_dependents", "ring_load",
-                "fill_tiles", "grid_dependency_sync", "operand_descriptor"]
+                "fill_tiles", "grid_dependency_sync", "operand_descriptor", "unswizzled_layout"]
 
     _GL_DTYPES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv, torch.float16: gl.float16,
                   torch.bfloat16: gl.bfloat16}
 
+    @lru_cache(maxsize=None)
+    def _default_layout(block: tuple, dtype: torch.dtype):
+        return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+
+    @lru_cache(maxsize=None)
+    def unswizzled_layout(element_bitwidth: int, rank: int):
+        """The NVMMA shared layout without swizzle (boxes read back with plain shared loads), made once: an eager
+        launch builds its descriptors every call and a layout costs microseconds of host time."""
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=element_bitwidth, rank=rank)
+
     def operand_descriptor(t: torch.Tensor, block):
         """A tensor descriptor over `t` in `block` boxes with the default NVMMA shared layout of its dtype (what a
         wgmma operand or a copy-engine output tile reads or writes)."""
-        block = list(block)
-        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+        block = tuple(block)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _default_layout(block, t.dtype))
 
     @gluon.jit
     def tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):

@@ -43,6 +43,7 @@ if GLUON_AVAILABLE:
     from ._gluon import gl, gluon, mbarrier
     from ._gluon import grid_dependency_sync as _grid_dependency_sync
     from ._gluon import tma_load as _tma_load
+    from ._gluon import unswizzled_layout as _unswizzled_layout
 
 WORDS_PER_CHUNK = 16
 
@@ -254,10 +255,9 @@ if GLUON_AVAILABLE:
 
 def _descriptor(qweight: torch.Tensor, cfg: GemvConfig):
     n, words = qweight.shape
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
     return GluonTensorDescriptor(qweight, [n, words // WORDS_PER_CHUNK, WORDS_PER_CHUNK],
                                  [qweight.stride(0), WORDS_PER_CHUNK, 1],
-                                 [cfg.block_n, cfg.chunks, WORDS_PER_CHUNK], layout)
+                                 [cfg.block_n, cfg.chunks, WORDS_PER_CHUNK], _unswizzled_layout(32, 3))
 
 
 def gemv_tma(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int,

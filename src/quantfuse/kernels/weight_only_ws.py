@@ -81,6 +81,7 @@ if GLUON_AVAILABLE:
     from ._gluon import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
     from ._gluon import tile_coords as _tile_coords
     from ._gluon import tma_load as _tma_load
+    from ._gluon import unswizzled_layout
     from .gemv_mma import convert_word_pairs as _convert_word_pairs
     from .gemv_mma import half_pair as _half_pair
     from .gemv_mma import magic_zero_pair as _magic_zero_pair
@@ -440,7 +441,7 @@ def x_descriptor(x2d: torch.Tensor):
 
 def _row_descriptor(t: torch.Tensor, block):
     """Unswizzled boxes (the producer reads them with plain shared loads)."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=t.element_size() * 8, rank=2)
+    layout = unswizzled_layout(t.element_size() * 8, 2)
     # a single row's stride is never stepped over: give it the row's length (torch may report 1 there)
     row_bytes = -(-t.shape[1] * t.element_size() // 16) * 16
     strides = list(t.stride()) if t.shape[0] > 1 else [row_bytes // t.element_size(), 1]
