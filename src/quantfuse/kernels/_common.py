@@ -77,7 +77,7 @@ def _arg_spec(a):
     if TensorDescriptor is not None and t is TensorDescriptor:
         return (a.base.dtype, tuple(a.block_shape), getattr(a, "padding", None))
     if t is GluonTensorDescriptor:  # Triton keys it on its shared-memory layout too
-        return (a.base.dtype, tuple(a.block_shape), a.layout, a.padding)
+        return (a.base.dtype, tuple(a.block_shape), a.layout, getattr(a, "padding", None))
     raise _Fallback
 
 

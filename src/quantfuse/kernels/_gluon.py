@@ -33,8 +33,8 @@ WS_MAXNREG = 168
 __all__ = ["GLUON_AVAILABLE", "sm90_exactly", "WS_CONSUMER_REGS", "WS_MAXNREG"]
 if GLUON_AVAILABLE:
     __all__ += ["gluon", "gl", "mbarrier", "mma_v2", "tma", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait",
-                "TensorDescriptor", "cta_barrier", "fence_async_shared", "tma_load", "tile_coords", "signal_dependents", "ring_load",
-                "fill_tiles", "grid_dependency_sync", "operand_descriptor", "unswizzled_layout"]
+                "TensorDescriptor", "cta_barrier", "fence_async_shared", "tma_load", "tile_coords", "signal_dependents",
+                "ring_load", "fill_tiles", "grid_dependency_sync", "operand_descriptor", "unswizzled_layout"]
 
     _GL_DTYPES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv, torch.float16: gl.float16,
                   torch.bfloat16: gl.bfloat16}

@@ -295,8 +295,8 @@ def gemv_tma(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
         bias if has_bias else scales, out, part, counters if fused else scales,
         n, k, scales.shape[0], chunks_per_split, splits, (1 << bits) - 1, max(group, 1).bit_length() - 1,
         BITS=bits, GROUP_FIELDS=group_fields, HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, SPLIT=split,
-        FUSED_REDUCE=fused, PER_CHANNEL=per_channel, K_MULTIPLE_OF_16=k % 16 == 0, STAGES=cfg.stages, num_warps=cfg.num_warps,
-        PDL=pdl, **pdl_launch_options(pdl),
+        FUSED_REDUCE=fused, PER_CHANNEL=per_channel, K_MULTIPLE_OF_16=k % 16 == 0, STAGES=cfg.stages,
+        num_warps=cfg.num_warps, PDL=pdl, **pdl_launch_options(pdl),
     )
     if split and not fused:
         splitk_reduce(part.view(splits, -1, n), bias, out)
