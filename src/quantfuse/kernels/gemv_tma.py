@@ -65,16 +65,21 @@ class GemvConfig:
 # Per architecture and weight width, the candidates; the first runs, the rest are what the tuner sweeps.
 # H100 sweep (benchmarks/tune_gemv_tma.py, results/tune_gemv_tma.json; M = 1, bf16 x, float32 scales, eight
 # Llama-3 shapes, CUDA graphs, same run as the tl GEMV):
-# - int8 per channel: 128 rows x 4 chunks, 8 warps, 3 stages: 1.13-1.40x the tl GEMV on six shapes (28672x8192
-#   92.5 us = 0.85 of copy bandwidth, 1.84x bf16), 0.95x / 1.00x at 4096x6144 / 4096x4096.
+# - int8 per channel: 64 rows x 4 chunks, 4 warps, 3 stages, 4 programs per SM (stop 49,
+#   results/tune_gemv_tma_w8_64rows.json: 1.00-1.09x the earlier pick, 128 rows x 4 chunks x 8 warps x 3 stages x 2
+#   programs per SM, on all eight shapes in two rounds; 4096x6144 15.4 us vs 16.8, 4096x28672 49.9 vs 50.7): 1.05x
+#   the tl GEMV at 4096x6144 (the earlier pick 0.96x) and 1.2-1.4x it from 4096x14336 up (28672x8192 92.0 us = 0.85
+#   of copy bandwidth, 1.85x bf16). The earlier pick measured 1.13-1.40x the tl GEMV on six shapes in
+#   results/tune_gemv_tma.json.
 # - int4 g128: the conversion's ~3.9 instructions per weight (LOP3 + FADD + FFMA and x) make it issue-bound at
 #   0.47-0.65 of copy bandwidth, behind the tl GEMV (8 programs per SM) on five of eight shapes (0.83-0.94x);
 #   ahead where the tl GEMV cannot fill the GPU (4096x1024: 1.26x) and at 28672x8192 (1.10x). `weight_only`
 #   runs int4 here only where its tl tile is under-filled (`weight_only.prefer_gemv_tma`).
 _INT4 = [GemvConfig(128, 2, 4, 4, 3), GemvConfig(128, 2, 4, 6, 2), GemvConfig(64, 2, 4, 4, 6),
          GemvConfig(128, 1, 4, 8, 2), GemvConfig(256, 2, 8, 4, 1), GemvConfig(128, 4, 8, 3, 2)]
-_INT8 = [GemvConfig(128, 4, 8, 3, 2), GemvConfig(128, 2, 4, 4, 3), GemvConfig(64, 2, 4, 4, 6),
-         GemvConfig(128, 2, 4, 6, 2), GemvConfig(256, 2, 8, 4, 1)]
+_INT8 = [GemvConfig(64, 4, 4, 3, 4), GemvConfig(128, 4, 8, 3, 2), GemvConfig(64, 4, 4, 3, 3),
+         GemvConfig(128, 2, 4, 4, 3), GemvConfig(64, 2, 4, 4, 6), GemvConfig(128, 2, 4, 6, 2),
+         GemvConfig(256, 2, 8, 4, 1)]
 GEMV_CONFIGS: Dict[str, Dict[int, List[GemvConfig]]] = {"sm90": {4: _INT4, 8: _INT8}}
 
 
