@@ -68,9 +68,9 @@ class GemvConfig:
 # - int8 per channel: 64 rows x 4 chunks, 4 warps, 3 stages, 4 programs per SM (stop 49,
 #   results/tune_gemv_tma_w8_64rows.json: 1.00-1.09x the earlier pick, 128 rows x 4 chunks x 8 warps x 3 stages x 2
 #   programs per SM, on all eight shapes in two rounds; 4096x6144 15.4 us vs 16.8, 4096x28672 49.9 vs 50.7): 1.05x
-#   the tl GEMV at 4096x6144 (the earlier pick 0.96x) and 1.2-1.4x it from 4096x14336 up (28672x8192 92.0 us = 0.85
-#   of copy bandwidth, 1.85x bf16). The earlier pick measured 1.13-1.40x the tl GEMV on six shapes in
-#   results/tune_gemv_tma.json.
+#   the tl GEMV at 4096x6144 (the earlier pick 0.96x), 1.04x at 4096x4096, 1.14-1.40x from 4096x14336 up
+#   (28672x8192 92.0 us = 0.85 of copy bandwidth, 1.85x bf16). The earlier pick measured 1.13-1.40x the tl GEMV on
+#   six shapes in results/tune_gemv_tma.json.
 # - int4 g128: the conversion's ~3.9 instructions per weight (LOP3 + FADD + FFMA and x) make it issue-bound at
 #   0.47-0.65 of copy bandwidth, behind the tl GEMV (8 programs per SM) on five of eight shapes (0.83-0.94x);
 #   ahead where the tl GEMV cannot fill the GPU (4096x1024: 1.26x) and at 28672x8192 (1.10x). `weight_only`

@@ -1259,9 +1259,9 @@ def gemv_mma_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
 
 def prefer_gemv_tma(bits: int, n: int, k: int, tl_tile: dict, num_sms: int) -> bool:
     """Whether M = 1 runs the Gluon GEMV rather than the tl one (where `gemv_tma.applies`): int8 weights always
-    (1.02-1.40x on eight Llama-3 shapes with its 64-row pick: tune_gemv_tma_w8_64rows.json); int4 only where the tl
-    GEMV's tile cannot reach its programs-per-SM target even with one chunk per split (N x K too small: 4096x1024
-    1.26x), since elsewhere the Gluon kernel's conversion is issue-bound and the tl GEMV is faster."""
+    (1.04-1.40x the tl GEMV on eight Llama-3 shapes with its 64-row pick: tune_gemv_tma_w8_64rows.json); int4 only
+    where the tl GEMV's tile cannot reach its programs-per-SM target even with one chunk per split (N x K too small:
+    4096x1024 1.26x), since elsewhere the Gluon kernel's conversion is issue-bound and the tl GEMV is faster."""
     if bits == 8:
         return True
     programs = cdiv(n, tl_tile["block_n"]) * cdiv(k, chunk_codes(bits))
