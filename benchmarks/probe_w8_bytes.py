@@ -29,6 +29,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+from bench_weight_only import clone_qw  # noqa: E402
 
 import quantfuse as qf  # noqa: E402
 from quantfuse.kernels import weight_only as wo  # noqa: E402
@@ -217,8 +218,7 @@ def main():
     for k, n in shapes:
         qw = qf.quantize_weight(torch.randn(n, k, device="cuda"), bits=8, group_size=-1, symmetric=True)
         reps = common.rotation_count(qw.qweight.numel() * 4 + qw.scales.numel() * 4)
-        qws = [qw] + [qf.QuantizedWeight(qw.qweight.clone(), qw.scales.clone(), None, 8, -1, qw.shape, None)
-                      for _ in range(reps - 1)]
+        qws = [qw] + [clone_qw(qw) for _ in range(reps - 1)]
         w_hat = qw.dequantize(torch.bfloat16)
         lin = [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
         w8 = (torch.randn(n, k, device="cuda") * 0.1).to(torch.float8_e4m3fn)

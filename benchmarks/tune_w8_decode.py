@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+from bench_weight_only import clone_qw  # noqa: E402
 
 import quantfuse as qf  # noqa: E402
 from quantfuse.kernels import w8_decode as kwd  # noqa: E402
@@ -38,8 +39,7 @@ def splits_sweep():
     dev = torch.device("cuda")
     for k, n in SHAPES + [(4096, 14336), (8192, 8192)]:
         qw = qf.quantize_weight(torch.randn(n, k, device=dev), bits=8, group_size=-1, symmetric=True)
-        qws = [qw] + [qf.QuantizedWeight(qw.qweight.clone(), qw.scales.clone(), None, 8, -1, qw.shape, None)
-                      for _ in range(common.rotation_count(qw.qweight.numel() * 4) - 1)]
+        qws = [qw] + [clone_qw(qw) for _ in range(common.rotation_count(qw.qweight.numel() * 4) - 1)]
         cfg = kwd.pick_config(kw.arch_key(dev.type, dev.index))
         steps = kwd.split_plan(n, qw.qweight.shape[1] * 4, cfg, kw._num_sms(dev))[0]
         for m in (4, 16):
@@ -76,8 +76,7 @@ def main():
             qw = qf.quantize_weight(torch.randn(n, k, device=dev), bits=8, group_size=-1, symmetric=True,
                                     scale_dtype=scale_dtype)
             nbytes = qw.qweight.numel() * 4 + qw.scales.numel() * qw.scales.element_size()
-            qws = [qw] + [qf.QuantizedWeight(qw.qweight.clone(), qw.scales.clone(), None, 8, -1, qw.shape, None)
-                          for _ in range(common.rotation_count(nbytes) - 1)]
+            qws = [qw] + [clone_qw(qw) for _ in range(common.rotation_count(nbytes) - 1)]
             w_hat = qw.dequantize(torch.bfloat16)
             lin = [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
             for m in ms:
