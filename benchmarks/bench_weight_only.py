@@ -10,7 +10,7 @@ bf16 alternate in BENCH_ROUNDS rounds, default 3, and report the median round):
   fused_us times the fused tiled kernel forced (the data behind cublas_min_m in kernels/weight_only.py);
   where it runs the Gluon wgmma kernel, dequant_cublas_us times dequantize + cuBLAS forced as well (the
   alternatives that kernel replaced, same run).
-- W8A16 per-channel at M in {1, 16} on the same shapes vs bf16 F.linear.
+- W8A16 per-channel at M in {1, 16, 32} on the same shapes vs bf16 F.linear.
 weight_GBs = (packed weight + scales (+ zero points)) bytes / ours time; frac_copy_bw divides it by the
 device-to-device copy bandwidth measured in this run (read + write bytes per second).
 speedup_vs_X = X time / ours time (> 1: ours faster).
@@ -46,7 +46,7 @@ SCALE_DTYPE = getattr(torch, os.environ.get("BENCH_SCALE_DTYPE", "float32"))
 BF16 = torch.bfloat16
 LLAMA_KN = [(4096, 6144), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192)]
 W4_M = [1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-W8_M = [1, 16]
+W8_M = [1, 16, 32]
 GROUP = 128
 INNER_K_TILES = 8
 QUICK = os.environ.get("BENCH_QUICK", "0") == "1"
@@ -143,9 +143,9 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
         cfg = gm.pick_config(m, dev)
         return f"gluon mma decode {cfg.block_n}w{cfg.num_warps}" + ("" if cfg.fused_reduce else " +reduce")
     if bits == 8 and kwd.prefer(m, kw.arch_key(dev.type, dev.index)):  # per channel here: applies
-        cfg = kwd.pick_config(kw.arch_key(dev.type, dev.index))
-        _, splits, _ = kwd.split_plan(n, -(-k // 64) * 64, cfg, kw._num_sms(dev))  # K_pad: whole 64-code chunks
-        return f"w8 decode {kwd.BLOCK_M}x{cfg.block_n} splitK={splits}"
+        cfg = kwd.pick_config(kw.arch_key(dev.type, dev.index), m)
+        _, splits, _ = kwd.split_plan(n, -(-k // 64) * 64, cfg, kw._num_sms(dev), m=m)  # K_pad: whole 64-code chunks
+        return f"w8 decode {cfg.block_m}x{cfg.block_n} splitK={splits}"
     if m == 1 and gt.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0) and kw.prefer_gemv_tma(
             bits, n, k, tile, kw._num_sms(dev)):
         cfg = gt.pick_config(bits, dev)

@@ -9,7 +9,10 @@ ours_vs_bf16, weight_GBs (packed weight + scales bytes / ours time).
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_w8_decode.py   ->  results/tune_weight_only_w8_decode.json
      ... --splits: w8_decode with forced K splits 1..8 against the dispatch's own count (programs_per_sm x SMs over
      the column blocks, floored), M = 4 / 16, float32 scales, min of 2 rounds
-     ->  results/tune_weight_only_w8_decode_splits.json"""
+     ->  results/tune_weight_only_w8_decode_splits.json
+     ... --wide: M = 17 / 24 / 32 / 48 / 64 / 96 / 128 (past the decode band; TUNE_M overrides): the shipped
+     dispatch, bf16 F.linear and w8_decode configs (WIDE_CANDIDATES), float32 scales, min of ROUNDS rounds
+     ->  results/tune_weight_only_w8_decode_wide.json (TUNE_OUT_NAME overrides)"""
 import math
 import os
 import sys
@@ -65,9 +68,80 @@ def splits_sweep():
                   "splits forced.")
 
 
+# W8DecodeConfig(block_n, block_k, num_warps, num_stages, programs_per_sm, block_m) per M of the --wide sweep
+_C = kwd.W8DecodeConfig
+_NARROW = [_C(128, 128, 4, 4, 2, 32), _C(128, 128, 4, 3, 2, 32), _C(128, 128, 4, 6, 2, 32), _C(128, 128, 4, 4, 3, 32),
+           _C(64, 128, 4, 4, 4, 32), _C(128, 128, 8, 4, 2, 32), _C(128, 128, 4, 4, 2, 16), _C()]
+_MID = [_C(128, 128, 4, 4, 2, 32), _C(128, 128, 4, 3, 2, 32), _C(128, 128, 4, 4, 2, 16), _C(),
+        _C(128, 256, 4, 4, 1, 32)]
+_WIDE = [_C(128, 128, 4, 4, 2, 32), _C(128, 128, 4, 4, 2, 16), _C()]
+WIDE_CANDIDATES = {17: _NARROW, 24: _NARROW, 32: _NARROW, 48: _MID, 64: _MID, 96: _WIDE, 128: _WIDE}
+
+
+def _label(c) -> str:
+    return f"m{c.block_m} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages} p{c.programs_per_sm}"
+
+
+def wide_sweep():
+    rows = []
+    dev = torch.device("cuda")
+    ms = [int(v) for v in os.environ.get("TUNE_M", "17,24,32,48,64,96,128").split(",")]
+    for k, n in SHAPES[:5]:
+        qw = qf.quantize_weight(torch.randn(n, k, device=dev), bits=8, group_size=-1, symmetric=True)
+        nbytes = qw.qweight.numel() * 4 + qw.scales.numel() * 4
+        qws = [qw] + [clone_qw(qw) for _ in range(common.rotation_count(nbytes) - 1)]
+        w_hat = qw.dequantize(torch.bfloat16)
+        lin = [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            # the dispatch past M = 16 scales each weight before the dot (one more rounding per weight), so the
+            # candidates are checked against the same scale-after math: w8_decode's shipped config, 16-row blocks
+            want = kwd.w8_decode_mm(x, qw.qweight, qw.scales, None, None, n, config=_C())
+            fns = {"dispatch": (lambda q: qf.weight_only_mm(x, q), [(q,) for q in qws]),
+                   "bf16": (lambda w: F.linear(x, w), [(w,) for w in lin])}
+            errors = {}
+            for cfg in WIDE_CANDIDATES.get(m, []):
+                fn = (lambda cfg: lambda q: kwd.w8_decode_mm(x, q.qweight, q.scales, None, None, n, config=cfg))(cfg)
+                try:
+                    err = common.mean_rel_diff(fn(qw), want)
+                except Exception as e:  # noqa: BLE001 - a config that does not build is reported, not fatal
+                    errors[_label(cfg)] = f"{type(e).__name__}: {str(e)[:120]}"
+                    continue
+                if err > 1e-3:
+                    errors[_label(cfg)] = f"mismatch {err:.2e}"
+                    continue
+                fns[_label(cfg)] = (fn, [(q,) for q in qws])
+            best = {name: math.inf for name in fns}
+            for _ in range(ROUNDS):
+                for name, (fn, sets) in fns.items():
+                    best[name] = min(best[name], common.graph_us(fn, sets))
+            for name, us in best.items():
+                if name in ("dispatch", "bf16"):
+                    continue
+                row = dict(M=m, K=k, N=n, config=name, us=us, dispatch_us=best["dispatch"], bf16_us=best["bf16"],
+                           vs_dispatch=best["dispatch"] / us, vs_bf16=best["bf16"] / us,
+                           dispatch_vs_bf16=best["bf16"] / best["dispatch"])
+                common.print_row(row)
+                rows.append(row)
+            for name, err in errors.items():
+                rows.append(dict(M=m, K=k, N=n, config=name, error=err))
+                print(m, k, n, name, err, flush=True)
+        del qws, lin
+        torch.cuda.empty_cache()
+    common.finish(os.environ.get("TUNE_OUT_NAME", "tune_weight_only_w8_decode_wide"),
+                  "W8A16 past the decode band: w8_decode with wider x blocks vs the dispatch and bf16", rows,
+                  ["M", "K", "N", "config", "us", "dispatch_us", "bf16_us", "vs_dispatch", "vs_bf16",
+                   "dispatch_vs_bf16", "error"],
+                  f"W8A16 per channel symmetric, float32 scales, bf16 x; CUDA graphs, weights rotated past L2, minimum "
+                  f"of {ROUNDS} alternated rounds; times in us. dispatch = quantfuse.weight_only_mm as shipped at the "
+                  f"time of the run; configs: w8_decode with that config (block_m rows of x per program).")
+
+
 def main():
     if "--splits" in sys.argv:
         return splits_sweep()
+    if "--wide" in sys.argv:
+        return wide_sweep()
     rows = []
     dev = torch.device("cuda")
     arch = kw.arch_key(dev.type, dev.index)

@@ -4,7 +4,8 @@ Bound (the scale after the sums: x @ W.T with the unrounded W = (u - z) * s), pe
     |y - x @ W.T - bias| <= u |ref| + 2^-20 (|x| @ |W|.T + |bias|)        u = 2^-8 (bf16), 2^-11 (fp16)
 i.e. one output rounding plus float32 accumulation noise; and the looser bound of test_weight_only_gpu against
 x @ w_hat.T. Identity rows equal w_hat bit for bit (one exact u - z times s, rounded as the reference rounds w_hat).
-Every case checks that weight_only_mm ran this kernel (M = 2..16, int8 per channel)."""
+Every dispatch case checks that weight_only_mm ran this kernel (M = 2..32, int8 per channel); the configs are also run
+directly past their block of M rows (several program rows)."""
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ DEV = "cuda"
 UNIT = {BF16: 2.0**-8, FP16: 2.0**-11}
 SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192), (11008, 4096),
           (10944, 100), (7392, 257), (192, 257), (200, 100), (4104, 1000)]
-MS = [2, 3, 7, 8, 9, 15, 16]
+MS = [2, 3, 7, 8, 9, 15, 16, 17, 24, 31, 32]
 
 
 @pytest.fixture
@@ -74,12 +75,14 @@ def test_dispatch_runs_here_within_bounds(spy, case):
     assert_gemm_within_bound(y, x, qw.dequantize(dtype), bias, label)
 
 
+@pytest.mark.parametrize("m", [16, 20])  # the 16-row config; the 32-row one (M = 17..32)
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_identity_rows_equal_w_hat(dtype, splits):
+def test_identity_rows_equal_w_hat(dtype, splits, m):
     k, n = 4104, 1000  # K_pad 4160: a partial last step
     qw = qf.quantize_weight(torch.randn(n, k, device=DEV), bits=8, group_size=-1, symmetric=False)
-    cols = torch.tensor([0, 1, 15, 16, 63, 64, 255, 256, 1000, 2047, 2048, 4095, 4096, 4100, 4102, 4103], device=DEV)
+    cols = torch.tensor([0, 1, 15, 16, 63, 64, 255, 256, 1000, 2047, 2048, 4095, 4096, 4100, 4102, 4103, 2, 127, 128,
+                         3000], device=DEV)[:m]
     x = torch.zeros(cols.numel(), k, device=DEV, dtype=dtype)
     x[torch.arange(cols.numel(), device=DEV), cols] = 1
     y = kwd.w8_decode_mm(x, qw.qweight, qw.scales, qw.zeros, None, n, splits=splits)
@@ -112,3 +115,19 @@ def test_padded_rows_nan_isolation_and_cuda_graph(spy):
     torch.cuda.synchronize()
     assert torch.equal(static_y, qf.weight_only_mm(fresh, qw))
     assert len(spy.calls) >= 4
+
+
+@pytest.mark.parametrize("cfg", list(kwd.W8_DECODE_CONFIGS["sm90"]), ids=lambda c: f"block_m{c.block_m}")
+@pytest.mark.parametrize("m", [17, 33, 64, 100])
+def test_configs_past_their_block_of_rows(cfg, m):
+    # M past block_m: ceil(M / block_m) program rows over the same weight tiles (the last one partial), split-K as
+    # the plan says and forced
+    k, n = 8192, 1000
+    w = torch.randn(n, k, device=DEV) * torch.exp2(torch.randint(-3, 4, (n, 1), device=DEV).float())
+    qw = qf.quantize_weight(w, bits=8, group_size=-1, symmetric=False)
+    x = torch.randn(m, k, device=DEV).to(BF16)
+    bias = torch.randn(n, device=DEV).to(BF16)
+    for splits in (None, 3):
+        y = kwd.w8_decode_mm(x, qw.qweight, qw.scales, qw.zeros, bias, n, config=cfg, splits=splits)
+        assert y.shape == (m, n) and bool(torch.isfinite(y).all())
+        assert_scale_after_bound(y, x, qw, bias, f"block_m {cfg.block_m} M{m} splits {splits}")

@@ -1,7 +1,7 @@
 """The byte-view W8A16 decode kernel (kernels/w8_decode.py) under the interpreter: against the product with the
 unrounded weights W = (u - z) * s (the scale after the sums), identity rows bit for bit equal to w_hat, split-K,
-masks (K not a multiple of the chunk or the step, N not a multiple of the block, M < 16), padded rows, a NaN row,
-the dispatch band and bad configs."""
+masks (K not a multiple of the chunk or the step, N not a multiple of the block, M not a multiple of block_m), more
+than one block of M rows, padded rows, a NaN row, the dispatch band and bad configs."""
 
 import pytest
 import torch
@@ -13,8 +13,9 @@ from tests._util import KernelSpy
 
 BF16, FP16 = torch.bfloat16, torch.float16
 UNIT = {BF16: 2.0**-8, FP16: 2.0**-11}
-SM90_CFG = kwd.W8_DECODE_CONFIGS["sm90"]
-SMALL_CFG = kwd.W8_DECODE_CONFIGS["default"]
+SM90_CFG = kwd.W8_DECODE_CONFIGS["sm90"][0]
+SMALL_CFG = kwd.W8_DECODE_CONFIGS["default"][0]
+WIDE_CFG = kwd.W8DecodeConfig(32, 64, 4, 2, 2, block_m=32)
 
 
 def _qw(n, k, symmetric, scale_dtype=torch.float32):
@@ -54,11 +55,16 @@ CASES = [
     (7, 1024, 300, True, BF16, torch.bfloat16, True, 1, SM90_CFG),
     (16, 4096, 40, False, BF16, torch.float32, True, 5, SM90_CFG),
     (3, 520, 129, False, FP16, torch.float16, False, 4, SM90_CFG),
+    # M past block_m: two and three program rows (the last partial), with and without split-K
+    (17, 264, 40, False, BF16, torch.float32, True, None, SMALL_CFG),
+    (40, 576, 33, True, FP16, torch.float32, False, 3, SMALL_CFG),
+    (33, 200, 65, False, BF16, torch.bfloat16, True, 2, WIDE_CFG),
+    (32, 1024, 31, True, BF16, torch.float32, False, 1, WIDE_CFG),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-K{c[1]}-N{c[2]}-{'s' if c[3] else 'a'}-{c[4]}-"
-                         f"s{c[5]}{'-bias' if c[6] else ''}-splits{c[7]}-n{c[8].block_n}")
+                         f"s{c[5]}{'-bias' if c[6] else ''}-splits{c[7]}-n{c[8].block_n}-m{c[8].block_m}")
 def test_against_the_unrounded_product(case):
     m, k, n, symmetric, dtype, scale_dtype, has_bias, splits, cfg = case
     qw = _qw(n, k, symmetric, scale_dtype)
@@ -69,14 +75,14 @@ def test_against_the_unrounded_product(case):
     assert_scale_after_bound(y, x, qw, bias)
 
 
-@pytest.mark.parametrize("cfg", [SMALL_CFG, SM90_CFG], ids=["small", "sm90"])
+@pytest.mark.parametrize("cfg", [SMALL_CFG, SM90_CFG, WIDE_CFG], ids=["small", "sm90", "wide"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_identity_rows_equal_w_hat_bit_for_bit(cfg, splits):
     # x = rows of the identity: each output is one exact (u - z) times s, rounded as the reference rounds w_hat;
-    # the other splits add exact zeros
+    # the other splits add exact zeros. 20 rows: two program rows of 16, one of 32
     k, n = 200, 70
     qw = _qw(n, k, symmetric=False)
-    cols = torch.tensor([0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 150, 191, 192, 193, 198, 199])
+    cols = torch.tensor([0, 1, 2, 15, 16, 17, 31, 32, 63, 64, 65, 127, 128, 129, 150, 191, 192, 193, 198, 199])
     for dtype in (BF16, FP16):
         x = torch.zeros(cols.numel(), k, dtype=dtype)
         x[torch.arange(cols.numel()), cols] = 1
@@ -101,7 +107,8 @@ def test_padded_rows_and_nan_row_isolation():
 
 
 def test_dispatch_band(monkeypatch, triton_backend):
-    # as on an sm90 device: int8 per channel at M = 2..16 runs here; M = 1, grouped int8 and int4 do not
+    # as on an sm90 device: int8 per channel at M = 2..32 runs here (17..32 with the 32-row config); M = 1, M = 33,
+    # grouped int8 and int4 do not
     monkeypatch.setattr(kw, "arch_key", lambda *a: "sm90")
     spy = KernelSpy(kwd._w8_decode_kernel)
     monkeypatch.setattr(kwd, "_w8_decode_kernel", spy)
@@ -109,16 +116,19 @@ def test_dispatch_band(monkeypatch, triton_backend):
     per_channel = _qw(n, k, symmetric=True)
     grouped = qf.quantize_weight(torch.randn(n, k), bits=8, group_size=128)
     int4 = qf.quantize_weight(torch.randn(n, k), bits=4, group_size=-1)
-    for m, qw, runs in [(2, per_channel, True), (16, per_channel, True), (1, per_channel, False),
-                        (17, per_channel, False), (4, grouped, False), (4, int4, False)]:
+    for m, qw, runs in [(2, per_channel, True), (16, per_channel, True), (17, per_channel, True),
+                        (32, per_channel, True), (1, per_channel, False), (33, per_channel, False),
+                        (4, grouped, False), (4, int4, False)]:
         before = len(spy.calls)
         x = torch.randn(m, k).to(BF16)
         y = qf.weight_only_mm(x, qw)
         assert (len(spy.calls) > before) == runs, (m, qw)
         if runs:
             assert_scale_after_bound(y, x, qw)
-    assert kwd.prefer(2, "sm90") and kwd.prefer(16, "sm90")
-    assert not kwd.prefer(1, "sm90") and not kwd.prefer(17, "sm90") and not kwd.prefer(8, "default")
+            # one program row: the 16-row config up to M = 16, the 32-row one above
+            assert spy.calls[-1]["grid"][0] == 1 and spy.calls[-1]["BLOCK_M"] == (16 if m <= 16 else 32)
+    assert kwd.prefer(2, "sm90") and kwd.prefer(16, "sm90") and kwd.prefer(32, "sm90")
+    assert not kwd.prefer(1, "sm90") and not kwd.prefer(33, "sm90") and not kwd.prefer(8, "default")
 
 
 def test_applies_scope():
@@ -126,21 +136,32 @@ def test_applies_scope():
     x = torch.randn(4, 64).to(BF16)
     assert kwd.applies(x, qw.qweight, qw.scales, 8)
     assert not kwd.applies(x.float(), qw.qweight, qw.scales, 8)
-    assert not kwd.applies(torch.randn(17, 64).to(BF16), qw.qweight, qw.scales, 8)
+    assert kwd.applies(torch.randn(17, 64).to(BF16), qw.qweight, qw.scales, 8)  # any M runs; `prefer` picks the band
+    assert not kwd.applies(torch.randn(0, 64).to(BF16), qw.qweight, qw.scales, 8)
     assert not kwd.applies(x, qw.qweight, torch.ones(2, 16), 8)
     assert not kwd.applies(x, qw.qweight, qw.scales, 4)
     assert not kwd.applies(torch.randn(64, 4).to(BF16).t(), qw.qweight, qw.scales, 8)
 
 
 def test_shipped_configs_and_split_plan():
-    for cfg in kwd.W8_DECODE_CONFIGS.values():
-        kwd.check_config(cfg)
+    for configs in kwd.W8_DECODE_CONFIGS.values():
+        assert [c.block_m for c in configs] == sorted({c.block_m for c in configs}), "by increasing block_m"
+        for cfg in configs:
+            kwd.check_config(cfg)
+    for arch in ("sm90", "default"):
+        for m in (1, 16, 17, 64, 65, 4096):
+            cfg = kwd.pick_config(arch, m)
+            covering = [c for c in kwd.W8_DECODE_CONFIGS[arch] if m <= c.block_m]
+            assert cfg == (covering[0] if covering else kwd.W8_DECODE_CONFIGS[arch][-1])
     # 4096x6144 on 132 SMs: 48 column blocks, 16 steps of 256 bytes, 132 // 48 = 2 splits of 8 steps
     assert kwd.split_plan(6144, 4096, SM90_CFG, 132) == (16, 2, 8)
     # 28672 columns fill the SMs alone: no split; a forced count rounds to whole steps (5 -> 4 per split, 4 splits)
     assert kwd.split_plan(28672, 4096, SM90_CFG, 132) == (16, 1, 16)
     assert kwd.split_plan(6144, 4096, SM90_CFG, 132, splits=5) == (16, 4, 4)
     assert kwd.split_plan(6144, 320, SM90_CFG, 132, splits=8) == (2, 2, 1)
+    # M blocks count as programs: 48 column blocks x 2 M blocks = 96 programs, one split per 132 SMs
+    assert kwd.split_plan(6144, 4096, SM90_CFG, 132, m=17) == (16, 1, 16)
+    assert kwd.split_plan(6144, 4096, SM90_CFG, 264, m=32) == (16, 2, 8)
 
 
 @pytest.mark.parametrize("cfg,match", [
@@ -150,6 +171,9 @@ def test_shipped_configs_and_split_plan():
     (kwd.W8DecodeConfig(block_k=192), "block_k"),
     (kwd.W8DecodeConfig(num_warps=3), "num_warps"),
     (kwd.W8DecodeConfig(programs_per_sm=0), "programs_per_sm"),
+    (kwd.W8DecodeConfig(block_m=8), "block_m"),
+    (kwd.W8DecodeConfig(block_m=48), "block_m"),
+    (kwd.W8DecodeConfig(block_m=256), "block_m"),
 ])
 def test_bad_configs(cfg, match):
     qw = _qw(16, 64, symmetric=True)
@@ -162,7 +186,7 @@ def test_bad_configs(cfg, match):
 def test_launcher_refuses_what_it_cannot_compute():
     qw = _qw(16, 64, symmetric=True)
     with pytest.raises(ValueError, match="x2d"):
-        _run(torch.randn(17, 64).to(BF16), qw, config=SMALL_CFG)
+        _run(torch.randn(0, 64).to(BF16), qw, config=SMALL_CFG)
     grouped = qf.quantize_weight(torch.randn(16, 64), bits=8, group_size=32)
     with pytest.raises(ValueError, match="scales"):
         _run(torch.randn(2, 64).to(BF16), grouped, config=SMALL_CFG)

@@ -1,4 +1,4 @@
-"""W8A16 decode (M = 2..16, one scale per output channel): the packed int8 codes read as a byte matrix straight into
+"""W8A16 decode (M = 2..32, one scale per output channel): the packed int8 codes read as a byte matrix straight into
 a `tl.dot` operand, the per-channel scale applied to the sums.
 
 Math (SPEC section 4): out[m, n] = s[n] * sum_k x[m, k] * (u[n, k] - z[n]) (+ bias[n]), float32 accumulation, one
@@ -24,27 +24,36 @@ float16 x two bytes per PRMT become the float16 pair (1024 + u, 1024 + u') and o
 u - z: one instruction per weight, 1.01-1.10x more, bit-identical (results/tune_weight_only_w8_decode_f16.json).
 One program per SM: a program's tile is 128 weight rows (columns of the output) by the 16 rows of x, and split-K
 over whole steps brings the programs to the SM count; float32 partials are reduced by `weight_only.splitk_reduce`
-with the bias and the one rounding.
+with the bias and the one rounding. M = 17..32 takes a 32-row block of x with 128-byte steps, 3 stages and two
+programs per SM (the 32 x 256-byte tile holds 190 registers, one program per SM, and ran slower). M past block_m
+runs more program rows; the M blocks of a weight tile are neighbours in launch order, so the later ones mostly hit
+L2, but two 32-row blocks still lost to the int8 tl tiles at M = 48 / 64 (below).
 
 H100 (torch 2.11, Triton 3.6; CUDA graphs, weights rotated past L2, min of 3 alternated rounds in one call,
 results/tune_weight_only_w8_decode.json, W8A16 per channel, bf16 x) against the int8 tile it replaced
 (`weight_only.fused_mm`): float32 scales, M = 2 / 4 / 8 / 16, 1.09-1.17x on all six shapes (28672x8192 at M = 16:
 92.3 us vs 108, 1.84x bf16; 8192x10240 40.0 vs 45.2, 1.80x; 14336x4096 29.6 vs 33.7); bfloat16 scales at M = 16
-1.34-1.56x (that tile reads 16-bit scales per weight). At M = 1 the Gluon GEMV (`gemv_tma`) stays: this kernel's
-recipe (before the PRMT) ran 0.79-1.02x it there (results/tune_weight_only_w8_bytes*.json and
+1.34-1.56x (that tile reads 16-bit scales per weight). M = 17..32 (results/tune_weight_only_w8_decode_wide.json,
+five Llama-3 shapes, float32 scales, M = 17 / 24 / 32, min of 2 rounds, the tl tile it replaced in the same run):
+the 32-row config 1.19-1.34x on four shapes (4096x28672 M = 32 53.7 us vs 72.2, 1.69x bf16; 28672x8192 101.6 vs
+136.2, 1.71x; 8192x10240 43.2 vs 52.3, 1.68x; 14336x4096 32.6 vs 38.7, 1.52x) and 1.00-1.02x at 4096x6144 (1.32x
+bf16). At M = 48 / 64 the tl tiles stay (the best config here 0.64-0.95x them), and at M = 96 / 128 (0.53-0.74x); a
+64- or 128-row block makes Triton use wgmma with the converted weight stored to shared memory, and spills (0.16-0.65x
+the tl tiles in results/tune_weight_only_w8_decode_wide_first.json). At M = 1 the Gluon GEMV (`gemv_tma`) stays:
+this kernel's recipe (before the PRMT) ran 0.79-1.02x it there (results/tune_weight_only_w8_bytes*.json and
 benchmarks/probe_w8_bytes.py hold the candidates: 64 / 128 / 256 columns, 128 / 256 / 512 bytes per step, 3-6
 stages, 1-4 programs per SM, x gathered in the bytes' order instead of permuted, the weight as the left operand;
 results/tune_weight_only_w8_decode_configs.json the neighbours of the shipped config after it).
 
 Scope (`applies`): int8 codes with one scale (and zero point) per output channel (group_size -1, or one group
-covering K), float16 / bfloat16 x with a contiguous last dimension, 1 <= M <= 16, packed words with contiguous
-rows. `weight_only_mm` runs it where `prefer` says (W8_DECODE_DISPATCH). The kernel is plain `tl` code, so the
-Triton interpreter runs it too (its dot in float32)."""
+covering K), float16 / bfloat16 x with a contiguous last dimension, any M >= 1 (correct at any M, fast in the
+dispatch band), packed words with contiguous rows. `weight_only_mm` runs it where `prefer` says
+(W8_DECODE_DISPATCH). The kernel is plain `tl` code, so the Triton interpreter runs it too (its dot in float32)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
@@ -53,28 +62,34 @@ import triton.language as tl
 from ._common import INTERPRET, cast_to, cdiv, launch_kernel
 from .configs import sm_count
 
-BLOCK_M = 16  # rows of x per program: every decode M in one program row
 CHUNK_BYTES = 64  # codes of one 16-word chunk (the permutation's period)
 
 
 @dataclass(frozen=True)
 class W8DecodeConfig:
     """block_n weight rows (output columns) per program; block_k codes (bytes) per K step, a multiple of 64;
-    num_stages of the load pipeline; programs_per_sm sets the split-K target (column blocks x splits ~
-    programs_per_sm x SMs)."""
+    num_stages of the load pipeline; programs_per_sm sets the split-K target (column blocks x M blocks x splits ~
+    programs_per_sm x SMs); block_m rows of x per program (M past it takes more program rows, each streaming the
+    weight again)."""
     block_n: int = 128
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
     programs_per_sm: int = 1
+    block_m: int = 16
 
 
-# Per architecture, the config that runs (H100: the module doc's measurements; in
-# results/tune_weight_only_w8_bytes_sweeps.json 3 stages were 2-3% faster at K = 4096 and 2-3% slower at K = 8192 /
-# 28672, the last split's program reducing the partials within 3%), and the M band where weight_only_mm prefers
-# this kernel. "default" (other GPUs, the interpreter tests): a small tile, not tuned.
-W8_DECODE_CONFIGS: Dict[str, W8DecodeConfig] = {"sm90": W8DecodeConfig(), "default": W8DecodeConfig(32, 64, 4, 2, 2)}
-W8_DECODE_DISPATCH: Dict[str, Dict[str, int]] = {"sm90": dict(min_m=2, max_m=16)}
+# Per architecture, the configs by increasing block_m (`pick_config`: the first that covers M; H100: the module doc's
+# measurements; for M <= 16, in results/tune_weight_only_w8_bytes_sweeps.json 3 stages were 2-3% faster at K = 4096
+# and 2-3% slower at K = 8192 / 28672, the last split's program reducing the partials within 3%; for M = 17..32 the
+# best of eight configs on all five shapes in results/tune_weight_only_w8_decode_wide.json, 4 stages 1-7% behind),
+# and the M band where weight_only_mm prefers this kernel. "default" (other GPUs, the interpreter tests): a small
+# tile, not tuned.
+W8_DECODE_CONFIGS: Dict[str, Tuple[W8DecodeConfig, ...]] = {
+    "sm90": (W8DecodeConfig(), W8DecodeConfig(128, 128, 4, 3, 2, block_m=32)),
+    "default": (W8DecodeConfig(32, 64, 4, 2, 2),),
+}
+W8_DECODE_DISPATCH: Dict[str, Dict[str, int]] = {"sm90": dict(min_m=2, max_m=32)}
 
 
 def check_config(cfg: W8DecodeConfig) -> None:
@@ -83,13 +98,17 @@ def check_config(cfg: W8DecodeConfig) -> None:
         raise ValueError(f"config block_n: expected a power of two >= 16, got {cfg}")
     if not pow2(cfg.block_k) or cfg.block_k < CHUNK_BYTES:
         raise ValueError(f"config block_k: expected a power of two >= {CHUNK_BYTES} (whole chunks), got {cfg}")
+    if not pow2(cfg.block_m) or not 16 <= cfg.block_m <= 128:
+        raise ValueError(f"config block_m: expected a power of two in 16..128, got {cfg}")
     if cfg.num_warps not in (1, 2, 4, 8) or cfg.num_stages < 1 or cfg.programs_per_sm < 1:
         raise ValueError(f"config: expected num_warps in (1, 2, 4, 8), num_stages >= 1, programs_per_sm >= 1, "
                          f"got {cfg}")
 
 
-def pick_config(arch: str) -> W8DecodeConfig:
-    return W8_DECODE_CONFIGS.get(arch, W8_DECODE_CONFIGS["default"])
+def pick_config(arch: str, m: int = 1) -> W8DecodeConfig:
+    """The arch's config for M rows: the first (by increasing block_m) whose block_m covers M, else the last."""
+    configs = W8_DECODE_CONFIGS.get(arch, W8_DECODE_CONFIGS["default"])
+    return next((cfg for cfg in configs if m <= cfg.block_m), configs[-1])
 
 
 def prefer(m: int, arch: str) -> bool:
@@ -100,7 +119,7 @@ def prefer(m: int, arch: str) -> bool:
 
 def applies(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> bool:
     """Whether the product can run here (module doc); the caller validated the arguments."""
-    return (bits == 8 and scales.shape[0] == 1 and 1 <= x2d.shape[0] <= BLOCK_M
+    return (bits == 8 and scales.shape[0] == 1 and x2d.shape[0] >= 1
             and x2d.dtype in (torch.float16, torch.bfloat16) and x2d.stride(1) == 1
             and qweight.dtype == torch.int32 and qweight.stride(1) == 1)
 
@@ -158,11 +177,13 @@ def _w8_decode_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
     """out [M, N] (or split pid's float32 partial [M, N] with SPLIT) = s * (x @ (u - z)^T) over the split's bytes
     [pid * k_per_split, + k_per_split) of K_PAD; w_ptr: the codes as bytes [N, K_PAD]. EVEN: K == K_PAD and every
     step whole (no masks). Rows past M and columns past N read rows m mod M / n mod N (valid memory), never stored."""
-    pid_s = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # the M blocks of one weight tile are neighbours in launch order (axis 0), so they run together and all but the
+    # first read the tile from L2
+    pid_s = tl.program_id(2)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rn = (offs_n % N).to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     rm = (offs_m % M).to(tl.int64)
     p_begin = pid_s * k_per_split
@@ -201,12 +222,14 @@ def _w8_decode_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
                  mask=mask)
 
 
-def split_plan(n: int, k_pad: int, cfg: W8DecodeConfig, num_sms: int, splits: Optional[int] = None):
-    """(K steps, splits, steps per split) of a launch over [N, K_pad] codes: splits forced, or programs_per_sm x SMs
-    over the column blocks (floored), each split a whole number of steps (the last possibly fewer)."""
+def split_plan(n: int, k_pad: int, cfg: W8DecodeConfig, num_sms: int, splits: Optional[int] = None, m: int = 1):
+    """(K steps, splits, steps per split) of a launch over [N, K_pad] codes and M rows: splits forced, or
+    programs_per_sm x SMs over the column blocks x M blocks (floored), each split a whole number of steps (the last
+    possibly fewer)."""
     steps = cdiv(k_pad, cfg.block_k)
     if splits is None:
-        splits = max(1, min(steps, cfg.programs_per_sm * num_sms // cdiv(n, cfg.block_n)))
+        blocks = cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m)
+        splits = max(1, min(steps, cfg.programs_per_sm * num_sms // blocks))
     elif splits < 1:
         raise ValueError(f"splits: expected >= 1, got {splits}")
     per = cdiv(steps, min(splits, steps))
@@ -222,27 +245,26 @@ def w8_decode_mm(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
     if config is not None:  # the shipped configs are checked by the tests, not on every decode call
         check_config(config)
-    cfg = config or pick_config(arch)
     m, k = x2d.shape
-    # the kernel has one program row of BLOCK_M rows and one scale row: anything else would leave rows unwritten or
-    # read the wrong scales, so it is refused here even though `applies` keeps the dispatch away from it
-    if not 1 <= m <= BLOCK_M:
-        raise ValueError(f"x2d: expected 1..{BLOCK_M} rows (w8_decode is a decode kernel), got shape "
-                         f"{tuple(x2d.shape)}")
+    cfg = config or pick_config(arch, m)
+    # the kernel reads one scale row: grouped scales would be read as per-channel ones, so they are refused here even
+    # though `applies` keeps the dispatch away from them
+    if m < 1:
+        raise ValueError(f"x2d: expected at least one row, got shape {tuple(x2d.shape)}")
     if scales.shape[0] != 1 or (zeros is not None and zeros.shape[0] != 1):
         raise ValueError(f"scales: expected one row (per-channel scales and zero points), got shape "
                          f"{tuple(scales.shape)}")
     w8 = qweight.view(torch.int8)  # [N, K_pad]: the words' bytes, little-endian
     k_pad = w8.shape[1]
     grid_n = cdiv(n, cfg.block_n)
-    _, splits, steps_per_split = split_plan(n, k_pad, cfg, num_sms or sm_count(x2d.device), splits)
+    _, splits, steps_per_split = split_plan(n, k_pad, cfg, num_sms or sm_count(x2d.device), splits, m)
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
     split = splits > 1
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out
-    launch_kernel(_w8_decode_kernel, (grid_n, splits),
+    launch_kernel(_w8_decode_kernel, (cdiv(m, cfg.block_m), grid_n, splits),
                   x2d, w8, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out,
                   part, m, n, k, k_pad, steps_per_split * cfg.block_k, x2d.stride(0), w8.stride(0), out.stride(0),
-                  HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=BLOCK_M,
+                  HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=k == k_pad and k_pad % cfg.block_k == 0,
                   INTERPRET=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:

@@ -70,7 +70,7 @@ Kernels:
   shared-memory wgmma in two consumer warpgroups; `weight_only_mm` runs it where `weight_only_ws.prefer` says
   (M = 1024..2048, and M = 256..1023 where the wgmma kernel's model keeps whole-K 256 x 128 tiles), ahead of the
   register-operand kernel and of dequantize + cuBLAS there.
-- `w8_decode` (tl, int8 codes with per-channel scales, M = 2..16 on sm90): the packed words read as a byte matrix
+- `w8_decode` (tl, int8 codes with per-channel scales, M = 2..32 on sm90): the packed words read as a byte matrix
   straight into the dot (x permuted to the bytes' K order in registers), the exact u - z by the 2^23 trick, the
   scale applied to the sums; `weight_only_mm` runs it where `w8_decode.prefer` says, ahead of this module's int8
   tiles (which stay for grouped int8 weights and other architectures).
@@ -133,7 +133,7 @@ _DISPATCH = {
                  kernel="gemv", convert="inplace", scale="auto"),
             dict(max_m=1, block_m=1, block_n=64, num_warps=4, num_stages=2, programs_per_sm=8, chunks=1,
                  kernel="gemv", convert="inplace", scale="auto"),
-            # (int8 with one scale per channel runs `w8_decode` at M = 2..16 on sm90: the two int8 rows below serve
+            # (int8 with one scale per channel runs `w8_decode` at M = 2..32 on sm90: the two int8 rows below serve
             # grouped int8 weights, and were the per-channel path before it, tune_weight_only_w8_decode.json)
             # int8 weights with float32 scales (no Gluon decode kernel for int8): 64 columns, two chunks (128
             # contiguous bytes of each weight row) per K step, the winner of the staged W8A16 sweep at M = 16
@@ -1200,7 +1200,7 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
     """Dispatch by M: the fused kernel (split-K for decode, tiled for larger M), the Gluon warp-specialized or
     wgmma kernel where `weight_only_ws.prefer` / `weight_only_wgmma.prefer` say so (int4, sm90, prefill-sized M),
     the Gluon decode kernels (`gemv_mma`: int4, M <= 16; `gemv_tma`: M = 1), the byte-view int8 decode kernel where
-    `w8_decode.prefer` says so (per-channel int8, M = 2..16, sm90), or for M at least `cublas_min_m` dequantize once
+    `w8_decode.prefer` says so (per-channel int8, M = 2..32, sm90), or for M at least `cublas_min_m` dequantize once
     and call cuBLAS (measured faster there; see bench_weight_only.py)."""
     m, k = x2d.shape
     # the shape rule first: decode calls skip the scope checks (descriptor strides, device capability)
