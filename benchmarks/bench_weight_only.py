@@ -10,7 +10,7 @@ bf16 alternate in BENCH_ROUNDS rounds, default 3, and report the median round):
   fused_us times the fused tiled kernel forced (the data behind cublas_min_m in kernels/weight_only.py);
   where it runs the Gluon wgmma kernel, dequant_cublas_us times dequantize + cuBLAS forced as well (the
   alternatives that kernel replaced, same run).
-- W8A16 per-channel at M in {1, 16, 32} on the same shapes vs bf16 F.linear.
+- W8A16 per-channel at M in {1, 16, 32, 256, 1024, 2048} on the same shapes vs bf16 F.linear.
 weight_GBs = (packed weight + scales (+ zero points)) bytes / ours time; frac_copy_bw divides it by the
 device-to-device copy bandwidth measured in this run (read + write bytes per second).
 speedup_vs_X = X time / ours time (> 1: ours faster).
@@ -46,7 +46,7 @@ SCALE_DTYPE = getattr(torch, os.environ.get("BENCH_SCALE_DTYPE", "float32"))
 BF16 = torch.bfloat16
 LLAMA_KN = [(4096, 6144), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192)]
 W4_M = [1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-W8_M = [1, 16, 32]
+W8_M = [1, 16, 32, 256, 1024, 2048]
 GROUP = 128
 INNER_K_TILES = 8
 QUICK = os.environ.get("BENCH_QUICK", "0") == "1"
@@ -136,6 +136,9 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
         cfg, splits, tail = ww.plan(m, n, k, "sm90", kw._num_sms(dev))  # what wgmma_w4_mm runs
         return (f"gluon wgmma {cfg.block_m}x{cfg.block_n} splitK={splits}"
                 + ("" if tail is None else f" tail {tail.main_tiles_n}+{tail.splits}way"))
+    if bits == 8 and sm90_gluon and ww.prefer_w8(m, "sm90"):  # per channel here: applies
+        cfg = ww.pick_w8_config(m, n, k, "sm90", kw._num_sms(dev))
+        return f"gluon wgmma w8 {cfg.block_m}x{cfg.block_n} splitK={ww.w8_splits(m, n, k, cfg, kw._num_sms(dev))}"
     if m >= table["cublas_min_m"]:
         return "dequant+cublas"
     tile = kw.pick_tile(m, dev, bits, SCALE_DTYPE.itemsize)

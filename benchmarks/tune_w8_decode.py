@@ -12,7 +12,10 @@ Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_w8_decode.py   ->  results/
      ->  results/tune_weight_only_w8_decode_splits.json
      ... --wide: M = 17 / 24 / 32 / 48 / 64 / 96 / 128 (past the decode band; TUNE_M overrides): the shipped
      dispatch, bf16 F.linear and w8_decode configs (WIDE_CANDIDATES), float32 scales, min of ROUNDS rounds
-     ->  results/tune_weight_only_w8_decode_wide.json (TUNE_OUT_NAME overrides)"""
+     ->  results/tune_weight_only_w8_decode_wide.json (TUNE_OUT_NAME overrides)
+     ... --prefill: M = 33..4096 (TUNE_M overrides): the dispatch, bf16 F.linear and the Gluon int8 wgmma kernel
+     (weight_only_wgmma.wgmma_w8_mm) with each of PREFILL_CANDIDATES and with its own pick, float32 scales
+     ->  results/tune_weight_only_w8_wgmma.json (TUNE_OUT_NAME overrides)"""
 import math
 import os
 import sys
@@ -27,6 +30,7 @@ from bench_weight_only import clone_qw  # noqa: E402
 import quantfuse as qf  # noqa: E402
 from quantfuse.kernels import w8_decode as kwd  # noqa: E402
 from quantfuse.kernels import weight_only as kw  # noqa: E402
+from quantfuse.kernels import weight_only_wgmma as ww  # noqa: E402
 
 SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192), (11008, 4096)]
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
@@ -137,7 +141,68 @@ def wide_sweep():
                   f"time of the run; configs: w8_decode with that config (block_m rows of x per program).")
 
 
+_G = ww.WgmmaW4Config
+PREFILL_CANDIDATES = [_G(256, 8, 4), _G(256, 8, 3), _G(128, 8, 6), _G(128, 8, 4), _G(64, 8, 6)]
+
+
+def prefill_sweep():
+    rows = []
+    dev = torch.device("cuda")
+    ms = [int(v) for v in os.environ.get("TUNE_M", "33,48,64,96,128,256,512,1024,2048,4096").split(",")]
+    for k, n in SHAPES[:5]:
+        qw = qf.quantize_weight(torch.randn(n, k, device=dev), bits=8, group_size=-1, symmetric=True)
+        nbytes = qw.qweight.numel() * 4 + qw.scales.numel() * 4
+        qws = [qw] + [clone_qw(qw) for _ in range(common.rotation_count(nbytes) - 1)]
+        w_hat = qw.dequantize(torch.bfloat16)
+        lin = [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            # the same scale-after math (w8_decode, 16-row blocks); the dispatch rounds each weight first here
+            want = kwd.w8_decode_mm(x, qw.qweight, qw.scales, None, None, n, config=_C())
+            fns = {"dispatch": (lambda q: qf.weight_only_mm(x, q), [(q,) for q in qws]),
+                   "bf16": (lambda w: F.linear(x, w), [(w,) for w in lin])}
+            errors = {}
+            for cfg in [None] + PREFILL_CANDIDATES:
+                name = "wgmma pick" if cfg is None else f"wgmma {cfg.block_m}x{cfg.block_n} s{cfg.stages}"
+                fn = (lambda cfg: lambda q: ww.wgmma_w8_mm(x, q.qweight, q.scales, None, None, n, config=cfg))(cfg)
+                try:
+                    err = common.mean_rel_diff(fn(qw), want)
+                except Exception as e:  # noqa: BLE001 - a config that does not build is reported, not fatal
+                    errors[name] = f"{type(e).__name__}: {str(e)[:120]}"
+                    continue
+                if err > 1e-3:
+                    errors[name] = f"mismatch {err:.2e}"
+                    continue
+                fns[name] = (fn, [(q,) for q in qws])
+            best = {name: math.inf for name in fns}
+            for _ in range(ROUNDS):
+                for name, (fn, sets) in fns.items():
+                    best[name] = min(best[name], common.graph_us(fn, sets))
+            for name, us in best.items():
+                if name in ("dispatch", "bf16"):
+                    continue
+                row = dict(M=m, K=k, N=n, config=name, us=us, dispatch_us=best["dispatch"], bf16_us=best["bf16"],
+                           vs_dispatch=best["dispatch"] / us, vs_bf16=best["bf16"] / us,
+                           dispatch_vs_bf16=best["bf16"] / best["dispatch"], TFLOPS=2 * m * n * k / us / 1e6)
+                common.print_row(row)
+                rows.append(row)
+            for name, err in errors.items():
+                rows.append(dict(M=m, K=k, N=n, config=name, error=err))
+                print(m, k, n, name, err, flush=True)
+        del qws, lin
+        torch.cuda.empty_cache()
+    common.finish(os.environ.get("TUNE_OUT_NAME", "tune_weight_only_w8_wgmma"),
+                  "W8A16 prefill: the Gluon int8 wgmma kernel vs the dispatch and bf16", rows,
+                  ["M", "K", "N", "config", "us", "dispatch_us", "bf16_us", "vs_dispatch", "vs_bf16",
+                   "dispatch_vs_bf16", "TFLOPS", "error"],
+                  f"W8A16 per channel symmetric, float32 scales, bf16 x; CUDA graphs, weights rotated past L2, minimum "
+                  f"of {ROUNDS} alternated rounds; times in us. dispatch = quantfuse.weight_only_mm as shipped at the "
+                  f"time of the run; wgmma = weight_only_wgmma.wgmma_w8_mm with that config (pick: its own).")
+
+
 def main():
+    if "--prefill" in sys.argv:
+        return prefill_sweep()
     if "--splits" in sys.argv:
         return splits_sweep()
     if "--wide" in sys.argv:

@@ -1,7 +1,8 @@
-"""CPU checks of the Gluon wgmma int4 kernel for prefill-sized M (kernels/weight_only_wgmma.py): configs, scope,
-the dispatch rule and the tile model, and its sm90 build with this Triton (offline: no GPU needed), whose SASS
-must show the point of the kernel: wgmma left in flight while the next chunk converts. The GPU tests
-(tests/gpu/test_weight_only_wgmma_gpu.py) check its results."""
+"""CPU checks of the Gluon wgmma int4 kernel for prefill-sized M (kernels/weight_only_wgmma.py) and of its int8
+per-channel twin: configs, scope, the dispatch rules and the tile model, and their sm90 builds with this Triton
+(offline: no GPU needed), whose SASS must show the point of the kernels: wgmma left in flight while the next chunk
+converts. The GPU tests (tests/gpu/test_weight_only_wgmma_gpu.py, test_weight_only_w8_wgmma_gpu.py) check their
+results."""
 
 import re
 
@@ -109,3 +110,43 @@ def test_sm90_build_keeps_wgmma_in_flight(build, spill_free, tmp_path):
     assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b", sass)) <= 4, "wgmma serialized (C7513)"
     if spill_free:
         assert not re.search(r"\b(STL|LDL)\b", sass), "register spills"
+
+
+def test_w8_configs_scope_and_dispatch_rule():
+    for cfg in ww.WGMMA_W8_CONFIGS["sm90"]:
+        ww.check_config(cfg)
+    assert ww.pick_w8_config(1024, 10240, 8192, "sm90", 132) in ww.WGMMA_W8_CONFIGS["sm90"]
+    assert not ww.prefer_w8(255, "sm90") and ww.prefer_w8(256, "sm90") and ww.prefer_w8(2048, "sm90")
+    assert not ww.prefer_w8(2049, "sm90") and not ww.prefer_w8(1024, "default")
+    qw = qf.quantize_weight(torch.randn(64, 256), bits=8, group_size=-1)
+    x = torch.randn(256, 256, dtype=torch.bfloat16)
+    assert not ww.applies_w8(x, qw.qweight, qw.scales, 8)  # CPU: the tl kernels under the interpreter
+    cfg = ww.WGMMA_W8_CONFIGS["sm90"][0]
+    # 256 x 6144 on 132 SMs: 48 tiles of 256 x 128, two K splits of 32 chunks; 1024 x 10240: 320 tiles, none
+    assert ww.w8_splits(256, 6144, 4096, cfg, 132) == 2 and ww.w8_splits(1024, 10240, 8192, cfg, 132) == 1
+    assert ww.w8_splits(256, 100, 100, cfg, 132) == 2  # two 64-code chunks: at most one per split
+
+
+def _compile_w8_sm90(block_m=256, num_warps=8, stages=3, dtype="bf16", has_zero=False, split=False):
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    x = torch.empty(256, 4096, dtype=tdt)
+    w = torch.empty(4096, 1024, dtype=torch.int32)
+    s = torch.empty(1, 4096, dtype=torch.float32)
+    args = dict(x_desc=ww.x_descriptor(x, block_m), w_ptr=w, s_ptr=s, z_ptr=w, bias_ptr=x, out_ptr=x)
+    consts = dict(HAS_ZERO=has_zero, HAS_BIAS=True, SPLIT=split, STAGES=stages, GROUP=8, num_warps=num_warps)
+    return gluon_sm90_build(ww._w8_wgmma_kernel, args, consts,
+                            lambda a, _: a.endswith("_ptr") or a in ("N", "K", "stride_wn", "stride_om"),
+                            num_warps=num_warps)
+
+
+@pytest.mark.skipif(not ww.GLUON_AVAILABLE, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("build", ["", "dtype='fp16', has_zero=True, split=True", "block_m=128, stages=6"])
+def test_w8_sm90_build_keeps_wgmma_in_flight(build, tmp_path):
+    """As for int4: register-operand HGMMAs, chunk t - 1's group retired while chunk t's runs (one product per
+    64-code chunk: WARPGROUP.DEPBAR.LE gsb0, 0x1), not serialized, and no spills."""
+    sass, _ = sm90_sass(tmp_path, "tests.kernels.test_weight_only_wgmma", f"_compile_w8_sm90({build})")
+    hgmma = re.findall(r"\bHGMMA\.64x\d+x16\.F32(\.BF16)? R\d+, R\d+, gdesc", sass)
+    assert len(hgmma) >= 8, "the converted weight should be the register A operand of 64xNx16 HGMMAs"
+    assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1\b", sass), "chunk t - 1 retired while chunk t runs"
+    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b", sass)) <= 4, "wgmma serialized (C7513)"
+    assert not re.search(r"\b(STL|LDL)\b", sass), "register spills"

@@ -70,6 +70,9 @@ Kernels:
   shared-memory wgmma in two consumer warpgroups; `weight_only_mm` runs it where `weight_only_ws.prefer` says
   (M = 1024..2048, and M = 256..1023 where the wgmma kernel's model keeps whole-K 256 x 128 tiles), ahead of the
   register-operand kernel and of dequantize + cuBLAS there.
+- `weight_only_wgmma.wgmma_w8_mm` (Gluon, sm90, int8 codes with per-channel scales, M = 256..2048): the int4
+  kernel's pipeline on 64-code chunks, the exact u - z as the register operand and the scale applied to the sums;
+  ahead of this module's int8 tiles (M < 512) and of dequantize + cuBLAS (M >= 512) there.
 - `w8_decode` (tl, int8 codes with per-channel scales, M = 2..32 on sm90): the packed words read as a byte matrix
   straight into the dot (x permuted to the bytes' K order in registers), the exact u - z by the 2^23 trick, the
   scale applied to the sums; `weight_only_mm` runs it where `w8_decode.prefer` says, ahead of this module's int8
@@ -1199,6 +1202,7 @@ def runs_wide(tile: dict, scale_code: int) -> bool:
 def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int) -> torch.Tensor:
     """Dispatch by M: the fused kernel (split-K for decode, tiled for larger M), the Gluon warp-specialized or
     wgmma kernel where `weight_only_ws.prefer` / `weight_only_wgmma.prefer` say so (int4, sm90, prefill-sized M),
+    the Gluon int8 wgmma kernel where `weight_only_wgmma.prefer_w8` says so (int8 per channel, sm90, M = 256..2048),
     the Gluon decode kernels (`gemv_mma`: int4, M <= 16; `gemv_tma`: M = 1), the byte-view int8 decode kernel where
     `w8_decode.prefer` says so (per-channel int8, M = 2..32, sm90), or for M at least `cublas_min_m` dequantize once
     and call cuBLAS (measured faster there; see bench_weight_only.py)."""
@@ -1214,6 +1218,8 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
     if weight_only_wgmma.prefer(m, n, k, arch, scale16) \
             and weight_only_wgmma.applies(x2d, qweight, scales, bits, group_size):
         return weight_only_wgmma.wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size, n)
+    if weight_only_wgmma.prefer_w8(m, arch) and weight_only_wgmma.applies_w8(x2d, qweight, scales, bits):
+        return weight_only_wgmma.wgmma_w8_mm(x2d, qweight, scales, zeros, bias, n)
     if x2d.is_cuda and m >= _table(x2d.device)["cublas_min_m"]:
         w_hat = dequantize(qweight, scales, zeros, bits, group_size, k, x2d.dtype)
         return torch.nn.functional.linear(x2d, w_hat, bias)

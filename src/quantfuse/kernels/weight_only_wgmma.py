@@ -43,6 +43,13 @@ results/tune_weight_only_tail.json).
 Scope (`applies`): sm90 exactly, int4 codes, float16 / bfloat16 x describable by a tensor descriptor, groups of
 a power-of-two number of whole chunks or per channel. Everything else, and the Triton interpreter (Gluon has
 none), runs the `tl` kernels.
+
+INT8 codes with one scale per output channel (`wgmma_w8_mm`, `_w8_wgmma_kernel`; W8A16 prefill): the same
+pipeline on 64-code chunks, one x box and one product per chunk (an int8 chunk of 16 words is laid out as an int4
+half chunk: field f of word j is k = 16 f + j, one byte per field). Each byte becomes the exact u - z (OR-ed under
+0x4B000000 it is the float32 2^23 + u; minus 2^23 + z; |u - z| <= 255 is exact in both 16-bit dtypes) and the
+per-channel scale multiplies the float32 sums: x @ W.T for the unrounded W = (u - z) * s, within one rounding per
+weight of x @ w_hat.T, as `w8_decode`. Scope (`applies_w8`): sm90, int8 per channel, x describable.
 """
 
 from __future__ import annotations
@@ -372,6 +379,119 @@ if GLUON_AVAILABLE:
             gl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+    # ---- int8 codes, one scale per output channel (W8A16 prefill) ----
+
+    @gluon.jit
+    def _byte_minus_zero(words, F: gl.constexpr, zm, DT: gl.constexpr):
+        """u - z of byte F of `words` in DT, exact (|u - z| <= 255 fits bfloat16's 8 significant bits): the byte
+        OR-ed under 0x4B000000 is the float32 2^23 + u, minus zm = 2^23 + z."""
+        v = ((words >> (8 * F)) & 0xFF) | 0x4B000000
+        return (v.to(gl.float32, bitcast=True) - zm).to(DT)
+
+    @gluon.jit
+    def _w8_operand(words, zm, a_layout: gl.constexpr, DT: gl.constexpr):
+        """[BLOCK_N, 16] words of a 64-code chunk (field f of word j is k = 16 f + j, as an int4 half chunk) -> the
+        exact u - z as the chunk's A operand; zm float32 [BLOCK_N]."""
+        z = zm[:, None]
+        return _half(_byte_minus_zero(words, 0, z, DT), _byte_minus_zero(words, 1, z, DT),
+                     _byte_minus_zero(words, 2, z, DT), _byte_minus_zero(words, 3, z, DT), a_layout)
+
+    @gluon.jit
+    def _w8_issue(a, x_smem, ready, t, acc, STAGES: gl.constexpr):
+        """Chunk t's product (one x box) into acc, left in flight."""
+        slot = t % STAGES
+        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        return warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+
+    @gluon.jit
+    def _w8_refill(x_desc, x_smem, ready, t, n_steps, c_begin, off_m, STAGES: gl.constexpr):
+        """Chunk t (of this split) into slot t % STAGES, after every warp retired the slot's previous product."""
+        _cta_barrier()
+        slot = t % STAGES
+        fill = t < n_steps
+        mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes, pred=fill)
+        _tma_load(x_desc, [off_m, (c_begin + t) * _HALF], ready.index(slot), x_smem.index(slot), pred=fill)
+
+    @gluon.jit
+    def _w8_wgmma_kernel(
+        x_desc, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+        M, N, K, stride_wn, stride_om, chunks_per_split,
+        HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+        GROUP: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """out [M, N] (SPLIT: float32 partials [splits, M, N]) = s * (x @ (u - z)^T) (+ bias): `_wo_wgmma_kernel`'s
+        pipeline on 64-code int8 chunks, one x box and one product per chunk, the per-channel scale on the sums."""
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = 16 * num_warps
+        DT: gl.constexpr = x_desc.dtype
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BLOCK_M, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        w_l: gl.constexpr = _word_layout(gl.to_linear_layout(a_l, [BLOCK_N, _HALF]))
+
+        pid_n, pid_m = _tile_coords(gl.program_id(0), N, M, BLOCK_N, BLOCK_M, GROUP)
+        off_n = pid_n * BLOCK_N
+        off_m = pid_m * BLOCK_M
+        load_m = gl.maximum(gl.minimum(off_m, M - BLOCK_M), 0)  # no x box past row M (`_wo_wgmma_kernel`)
+        c_begin = gl.program_id(1) * chunks_per_split
+        n_steps = gl.minimum(chunks_per_split, gl.cdiv(K, _HALF) - c_begin)
+
+        x_smem = gl.allocate_shared_memory(DT, [STAGES, BLOCK_M, _HALF], x_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        for s in gl.static_range(STAGES - 1):
+            _w8_refill(x_desc, x_smem, ready, s, n_steps, c_begin, load_m, STAGES)
+
+        rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_l))
+        rj = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, w_l))
+        w_ptrs = w_ptr + rows.to(gl.int64)[:, None] * stride_wn + c_begin * _WORDS + rj[None, :]
+        w_mask = (rows < N)[:, None] & (rj < _WORDS)[None, :]
+        if HAS_ZERO:
+            zm = gl.load(z_ptr + rows, mask=rows < N, other=0).to(gl.float32) + 8388608.0
+        else:
+            zm = gl.full([BLOCK_N], 8388736.0, gl.float32, gl.SliceLayout(1, w_l))  # 2^23 + 128: biased codes
+
+        wa = gl.load(w_ptrs, mask=w_mask & (n_steps > 0))
+        wb = gl.load(w_ptrs + _WORDS, mask=w_mask & (n_steps > 1))
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+        b = gl.zeros([BLOCK_N, _HALF], DT, a_l)  # "chunk -1": the first wait retires its (absent) product
+        for t in range(0, n_steps - 1, 2):  # whole pairs, then the odd last chunk (`_wo_wgmma_kernel`: C7513)
+            a = _w8_operand(wa, zm, a_l, DT)
+            wa = gl.load(w_ptrs + (t + 2) * _WORDS, mask=w_mask & (t + 2 < n_steps))
+            acc = _w8_issue(a, x_smem, ready, t, acc, STAGES)
+            acc, b = warpgroup_mma_wait(num_outstanding=1, deps=(acc, b))
+            _w8_refill(x_desc, x_smem, ready, t - 1 + STAGES, n_steps, c_begin, load_m, STAGES)
+            b = _w8_operand(wb, zm, a_l, DT)
+            wb = gl.load(w_ptrs + (t + 3) * _WORDS, mask=w_mask & (t + 3 < n_steps))
+            acc = _w8_issue(b, x_smem, ready, t + 1, acc, STAGES)
+            acc, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a))
+            _w8_refill(x_desc, x_smem, ready, t + STAGES, n_steps, c_begin, load_m, STAGES)
+        if n_steps % 2 == 1:
+            a = _w8_operand(wa, zm, a_l, DT)
+            acc = _w8_issue(a, x_smem, ready, n_steps - 1, acc, STAGES)
+            acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+
+        VEC: gl.constexpr = 4 if SPLIT else 8
+        out_l: gl.constexpr = gl.BlockedLayout([VEC, 1], [BLOCK_N // VEC, 32 * VEC // BLOCK_N], [1, num_warps],
+                                               [0, 1])
+        res = gl.convert_layout(acc, out_l)
+        orows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
+        ocols = load_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_l))
+        mask = (orows < N)[:, None] & ((ocols >= off_m) & (ocols < M))[None, :]
+        res = res * gl.load(s_ptr + orows, mask=orows < N, other=0.0).to(gl.float32)[:, None]
+        offs = ocols.to(gl.int64)[None, :] * stride_om + orows[:, None]
+        if SPLIT:
+            gl.store(out_ptr + gl.program_id(1).to(gl.int64) * M * stride_om + offs, res, mask=mask)
+        else:
+            if HAS_BIAS:
+                res += gl.load(bias_ptr + orows, mask=orows < N, other=0.0).to(gl.float32)[:, None]
+            gl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def x_descriptor(x2d: torch.Tensor, block_m: int):
     """x2d in [block_m, 64] boxes (the B operand's K-major halves of a chunk); also weight_only_ws's."""
     return operand_descriptor(x2d, [block_m, HALF])
@@ -521,4 +641,85 @@ def wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
         splitk_reduce(part, bias, out)
     if tail is not None:
         run_tail(out, x2d, qweight, scales, zeros, bias, group_size, n, cfg, tail, x_desc)
+    return out
+
+
+# ---- int8 codes, one scale per output channel (W8A16 prefill): `_w8_wgmma_kernel` ----
+
+W8_CHUNK = 64  # int8 codes per chunk of 16 words: one [block_m, 64] x box
+# Per architecture, the candidates `pick_w8_config` chooses from by waves of whole-K tiles (row_cost as for int4).
+# H100 (results/tune_weight_only_w8_wgmma.json: W8A16 per channel, float32 scales, five Llama-3 shapes, M = 33..4096,
+# CUDA graphs, min of 2 rounds): the 256-row tile with 3 stages was the best or within 2% of it from M = 256 to 4096 on
+# every shape; the 128-row tile with 6 stages won only at M = 128, where the int8 tl tile is faster still, and the
+# wave model over both picked the slower one at 4 of 20 prefill points, so one candidate ships.
+WGMMA_W8_CONFIGS: Dict[str, List[WgmmaW4Config]] = {"sm90": [WgmmaW4Config(256, 8, 3)]}
+# Where weight_only_mm runs it (`prefer_w8`): M from min_m to max_m. Same sweep, against the dispatch before (the int8
+# tl tiles below M = 512, dequantize + cuBLAS from 512): M = 256 1.22-1.56x, 512 1.12-1.61x, 1024 1.07-1.24x on four
+# shapes and 0.98x at 4096x6144, 2048 1.01-1.06x; at M = 4096 dequantize + cuBLAS stays (this kernel 0.90-0.96x), and
+# at M <= 128 the tl tiles (0.54-0.91x). In weight_only.json's run (stop 50) dequantize + cuBLAS took 0.93-1.24x
+# this kernel's time at M = 1024 (less only at 4096x6144) and 0.94-1.05x at 2048: M = 2048 is a tie, kept here
+# because dequantize + cuBLAS materializes the bf16 weight (N x K x 2 bytes, 470 MB at 28672x8192) on every call.
+WGMMA_W8_DISPATCH: Dict[str, Dict[str, int]] = {"sm90": dict(min_m=256, max_m=2048)}
+
+
+def applies_w8(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> bool:
+    """Whether an int8 product with one scale per output channel can run in `_w8_wgmma_kernel` (sm90, x
+    describable by a tensor descriptor); the caller validated the arguments."""
+    if not GLUON_AVAILABLE or INTERPRET or not x2d.is_cuda or bits != 8 or scales.shape[0] != 1:
+        return False
+    if x2d.dtype not in (torch.float16, torch.bfloat16) or not sm90_exactly(x2d.device.type, x2d.device.index):
+        return False
+    return (describable(x2d) and qweight.dtype == torch.int32 and qweight.stride(1) == 1
+            and qweight.shape[1] % WORDS_PER_CHUNK == 0)
+
+
+def prefer_w8(m: int, arch: str) -> bool:
+    """Whether weight_only_mm runs the int8 kernel for M rows on `arch` (where `applies_w8`): WGMMA_W8_DISPATCH."""
+    rule = WGMMA_W8_DISPATCH.get(arch)
+    return rule is not None and rule["min_m"] <= m <= rule["max_m"]
+
+
+def w8_splits(m: int, n: int, k: int, cfg: WgmmaW4Config, num_sms: int) -> int:
+    """`splits_for` on 64-code chunks."""
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    if cfg.programs_per_sm == 0 or tiles >= cfg.programs_per_sm * num_sms:
+        return 1
+    total = cdiv(k, W8_CHUNK)
+    splits = max(1, min(total, cfg.programs_per_sm * num_sms // tiles))
+    return cdiv(total, cdiv(total, splits))
+
+
+def pick_w8_config(m: int, n: int, k: int, arch: str, num_sms: int) -> WgmmaW4Config:
+    """The candidate with the fewest waves of tiles times rows per tile times row cost."""
+    return min(WGMMA_W8_CONFIGS[arch], key=lambda c: cdiv(cdiv(m, c.block_m) * cdiv(n, c.block_n), num_sms)
+               * c.block_m * c.row_cost)
+
+
+def wgmma_w8_mm(x2d, qweight, scales, zeros, bias, n: int, config: Optional[WgmmaW4Config] = None,
+                splits: Optional[int] = None) -> torch.Tensor:
+    """out [M, N] = s * (x2d @ (u - z).T) (+ bias) for int8 codes with one scale (and zero point) per output
+    channel: x @ W.T for the unrounded W = (u - z) * s, within one rounding per weight of x @ w_hat.T (the scale
+    after the sums, as `w8_decode`). The caller checked `applies_w8` and validated the arguments."""
+    from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
+
+    m, k = x2d.shape
+    sms = sm_count(x2d.device)
+    cfg = config or pick_w8_config(m, n, k, arch_key(x2d.device.type, x2d.device.index), sms)
+    check_config(cfg)
+    total = cdiv(k, W8_CHUNK)
+    ways = w8_splits(m, n, k, cfg, sms) if splits is None else splits
+    if ways < 1:
+        raise ValueError(f"splits: expected >= 1, got {splits}")
+    ways = cdiv(total, cdiv(total, min(ways, total)))  # whole chunks per split
+    out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
+    dst = out if ways == 1 else torch.empty((ways, m, n), dtype=torch.float32, device=x2d.device)
+    has_bias = bias is not None and ways == 1
+    launch_kernel(_w8_wgmma_kernel, (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), ways),
+        x_descriptor(x2d, cfg.block_m), qweight, scales, zeros if zeros is not None else scales,
+        bias if has_bias else scales, dst, m, n, k, qweight.stride(0), dst.stride(-2), cdiv(total, ways),
+        HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, SPLIT=ways > 1, STAGES=cfg.stages, GROUP=cfg.group,
+        num_warps=cfg.num_warps,
+    )
+    if ways > 1:
+        splitk_reduce(dst, bias, out)
     return out
