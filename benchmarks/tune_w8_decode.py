@@ -86,10 +86,12 @@ def _label(c) -> str:
     return f"m{c.block_m} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages} p{c.programs_per_sm}"
 
 
-def wide_sweep():
+def _sweep_vs_dispatch(ms, candidates, out_name, title, what):
+    """Per (shape, M): the dispatch, bf16 F.linear and each of candidates(m, x, n) -> [(name, fn(qw))], each first
+    checked against w8_decode's 16-row config (the same scale-after math; past M = 16 the dispatch's tl tiles round
+    each weight first), min of ROUNDS alternated rounds; a candidate that does not build or differs is reported."""
     rows = []
     dev = torch.device("cuda")
-    ms = [int(v) for v in os.environ.get("TUNE_M", "17,24,32,48,64,96,128").split(",")]
     for k, n in SHAPES[:5]:
         qw = qf.quantize_weight(torch.randn(n, k, device=dev), bits=8, group_size=-1, symmetric=True)
         nbytes = qw.qweight.numel() * 4 + qw.scales.numel() * 4
@@ -98,73 +100,11 @@ def wide_sweep():
         lin = [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            # the dispatch past M = 16 scales each weight before the dot (one more rounding per weight), so the
-            # candidates are checked against the same scale-after math: w8_decode's shipped config, 16-row blocks
             want = kwd.w8_decode_mm(x, qw.qweight, qw.scales, None, None, n, config=_C())
             fns = {"dispatch": (lambda q: qf.weight_only_mm(x, q), [(q,) for q in qws]),
                    "bf16": (lambda w: F.linear(x, w), [(w,) for w in lin])}
             errors = {}
-            for cfg in WIDE_CANDIDATES.get(m, []):
-                fn = (lambda cfg: lambda q: kwd.w8_decode_mm(x, q.qweight, q.scales, None, None, n, config=cfg))(cfg)
-                try:
-                    err = common.mean_rel_diff(fn(qw), want)
-                except Exception as e:  # noqa: BLE001 - a config that does not build is reported, not fatal
-                    errors[_label(cfg)] = f"{type(e).__name__}: {str(e)[:120]}"
-                    continue
-                if err > 1e-3:
-                    errors[_label(cfg)] = f"mismatch {err:.2e}"
-                    continue
-                fns[_label(cfg)] = (fn, [(q,) for q in qws])
-            best = {name: math.inf for name in fns}
-            for _ in range(ROUNDS):
-                for name, (fn, sets) in fns.items():
-                    best[name] = min(best[name], common.graph_us(fn, sets))
-            for name, us in best.items():
-                if name in ("dispatch", "bf16"):
-                    continue
-                row = dict(M=m, K=k, N=n, config=name, us=us, dispatch_us=best["dispatch"], bf16_us=best["bf16"],
-                           vs_dispatch=best["dispatch"] / us, vs_bf16=best["bf16"] / us,
-                           dispatch_vs_bf16=best["bf16"] / best["dispatch"])
-                common.print_row(row)
-                rows.append(row)
-            for name, err in errors.items():
-                rows.append(dict(M=m, K=k, N=n, config=name, error=err))
-                print(m, k, n, name, err, flush=True)
-        del qws, lin
-        torch.cuda.empty_cache()
-    common.finish(os.environ.get("TUNE_OUT_NAME", "tune_weight_only_w8_decode_wide"),
-                  "W8A16 past the decode band: w8_decode with wider x blocks vs the dispatch and bf16", rows,
-                  ["M", "K", "N", "config", "us", "dispatch_us", "bf16_us", "vs_dispatch", "vs_bf16",
-                   "dispatch_vs_bf16", "error"],
-                  f"W8A16 per channel symmetric, float32 scales, bf16 x; CUDA graphs, weights rotated past L2, minimum "
-                  f"of {ROUNDS} alternated rounds; times in us. dispatch = quantfuse.weight_only_mm as shipped at the "
-                  f"time of the run; configs: w8_decode with that config (block_m rows of x per program).")
-
-
-_G = ww.WgmmaW4Config
-PREFILL_CANDIDATES = [_G(256, 8, 4), _G(256, 8, 3), _G(128, 8, 6), _G(128, 8, 4), _G(64, 8, 6)]
-
-
-def prefill_sweep():
-    rows = []
-    dev = torch.device("cuda")
-    ms = [int(v) for v in os.environ.get("TUNE_M", "33,48,64,96,128,256,512,1024,2048,4096").split(",")]
-    for k, n in SHAPES[:5]:
-        qw = qf.quantize_weight(torch.randn(n, k, device=dev), bits=8, group_size=-1, symmetric=True)
-        nbytes = qw.qweight.numel() * 4 + qw.scales.numel() * 4
-        qws = [qw] + [clone_qw(qw) for _ in range(common.rotation_count(nbytes) - 1)]
-        w_hat = qw.dequantize(torch.bfloat16)
-        lin = [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
-        for m in ms:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            # the same scale-after math (w8_decode, 16-row blocks); the dispatch rounds each weight first here
-            want = kwd.w8_decode_mm(x, qw.qweight, qw.scales, None, None, n, config=_C())
-            fns = {"dispatch": (lambda q: qf.weight_only_mm(x, q), [(q,) for q in qws]),
-                   "bf16": (lambda w: F.linear(x, w), [(w,) for w in lin])}
-            errors = {}
-            for cfg in [None] + PREFILL_CANDIDATES:
-                name = "wgmma pick" if cfg is None else f"wgmma {cfg.block_m}x{cfg.block_n} s{cfg.stages}"
-                fn = (lambda cfg: lambda q: ww.wgmma_w8_mm(x, q.qweight, q.scales, None, None, n, config=cfg))(cfg)
+            for name, fn in candidates(m, x, n):
                 try:
                     err = common.mean_rel_diff(fn(qw), want)
                 except Exception as e:  # noqa: BLE001 - a config that does not build is reported, not fatal
@@ -191,13 +131,40 @@ def prefill_sweep():
                 print(m, k, n, name, err, flush=True)
         del qws, lin
         torch.cuda.empty_cache()
-    common.finish(os.environ.get("TUNE_OUT_NAME", "tune_weight_only_w8_wgmma"),
-                  "W8A16 prefill: the Gluon int8 wgmma kernel vs the dispatch and bf16", rows,
+    common.finish(os.environ.get("TUNE_OUT_NAME", out_name), title, rows,
                   ["M", "K", "N", "config", "us", "dispatch_us", "bf16_us", "vs_dispatch", "vs_bf16",
                    "dispatch_vs_bf16", "TFLOPS", "error"],
                   f"W8A16 per channel symmetric, float32 scales, bf16 x; CUDA graphs, weights rotated past L2, minimum "
                   f"of {ROUNDS} alternated rounds; times in us. dispatch = quantfuse.weight_only_mm as shipped at the "
-                  f"time of the run; wgmma = weight_only_wgmma.wgmma_w8_mm with that config (pick: its own).")
+                  f"time of the run; {what}")
+
+
+def _ms(default: str):
+    return [int(v) for v in os.environ.get("TUNE_M", default).split(",")]
+
+
+def wide_sweep():
+    def candidates(m, x, n):
+        return [(_label(cfg), (lambda cfg: lambda q: kwd.w8_decode_mm(x, q.qweight, q.scales, None, None, n,
+                                                                      config=cfg))(cfg))
+                for cfg in WIDE_CANDIDATES.get(m, [])]
+    _sweep_vs_dispatch(_ms("17,24,32,48,64,96,128"), candidates, "tune_weight_only_w8_decode_wide",
+                       "W8A16 past the decode band: w8_decode with wider x blocks vs the dispatch and bf16",
+                       "configs: w8_decode with that config (block_m rows of x per program).")
+
+
+_G = ww.WgmmaW4Config
+PREFILL_CANDIDATES = [_G(256, 8, 4), _G(256, 8, 3), _G(128, 8, 6), _G(128, 8, 4), _G(64, 8, 6)]
+
+
+def prefill_sweep():
+    def candidates(m, x, n):
+        return [("wgmma pick" if cfg is None else f"wgmma {cfg.block_m}x{cfg.block_n} s{cfg.stages}",
+                 (lambda cfg: lambda q: ww.wgmma_w8_mm(x, q.qweight, q.scales, None, None, n, config=cfg))(cfg))
+                for cfg in [None] + PREFILL_CANDIDATES]
+    _sweep_vs_dispatch(_ms("33,48,64,96,128,256,512,1024,2048,4096"), candidates, "tune_weight_only_w8_wgmma",
+                       "W8A16 prefill: the Gluon int8 wgmma kernel vs the dispatch and bf16",
+                       "wgmma = weight_only_wgmma.wgmma_w8_mm with that config (pick: its own).")
 
 
 def main():

@@ -18,6 +18,7 @@ from quantfuse.kernels import weight_only_wgmma as ww
 from tests.gpu import sm90_gluon_marks
 from tests.gpu.test_w8_decode_gpu import assert_scale_after_bound
 from tests.gpu.test_weight_only_gpu import assert_gemm_within_bound
+from tests.gpu.test_weight_only_wgmma_gpu import _graph_replayed as graph_replayed
 from tests.gpu.test_weight_only_wgmma_gpu import special_rows_checked
 
 pytestmark = sm90_gluon_marks("int8 wgmma kernel")
@@ -107,17 +108,5 @@ def test_dispatch_graph_and_fallback(monkeypatch):
     assert_gemm_within_bound(qf.weight_only_mm(xp, qw), xp, qw.dequantize(BF16), None, "padded view")
     assert len(calls) == count
     # CUDA graph capture and replay on fresh values
-    static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        qf.weight_only_mm(static_x, qw)
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static_y = qf.weight_only_mm(static_x, qw)
-    x2 = torch.randn_like(x)
-    static_x.copy_(x2)
-    g.replay()
-    torch.cuda.synchronize()
+    x2, static_y = graph_replayed(x, qw)
     assert torch.equal(static_y, real(x2, qw.qweight, qw.scales, qw.zeros, None, 6144))

@@ -26,8 +26,8 @@ One program per SM: a program's tile is 128 weight rows (columns of the output) 
 over whole steps brings the programs to the SM count; float32 partials are reduced by `weight_only.splitk_reduce`
 with the bias and the one rounding. M = 17..32 takes a 32-row block of x with 128-byte steps, 3 stages and two
 programs per SM (the 32 x 256-byte tile holds 190 registers, one program per SM, and ran slower). M past block_m
-runs more program rows; the M blocks of a weight tile are neighbours in launch order, so the later ones mostly hit
-L2, but two 32-row blocks still lost to the int8 tl tiles at M = 48 / 64 (below).
+runs more program rows; the M blocks of a weight tile are launched next to each other so that they can share it
+through L2, but two 32-row blocks still lost to the int8 tl tiles at M = 48 / 64 (below).
 
 H100 (torch 2.11, Triton 3.6; CUDA graphs, weights rotated past L2, min of 3 alternated rounds in one call,
 results/tune_weight_only_w8_decode.json, W8A16 per channel, bf16 x) against the int8 tile it replaced
@@ -177,8 +177,8 @@ def _w8_decode_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
     """out [M, N] (or split pid's float32 partial [M, N] with SPLIT) = s * (x @ (u - z)^T) over the split's bytes
     [pid * k_per_split, + k_per_split) of K_PAD; w_ptr: the codes as bytes [N, K_PAD]. EVEN: K == K_PAD and every
     step whole (no masks). Rows past M and columns past N read rows m mod M / n mod N (valid memory), never stored."""
-    # the M blocks of one weight tile are neighbours in launch order (axis 0), so they run together and all but the
-    # first read the tile from L2
+    # the M blocks of one weight tile are neighbours in launch order (axis 0), so they run together and can share the
+    # tile through L2
     pid_s = tl.program_id(2)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
