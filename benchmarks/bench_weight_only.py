@@ -137,7 +137,7 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
         return (f"gluon wgmma {cfg.block_m}x{cfg.block_n} splitK={splits}"
                 + ("" if tail is None else f" tail {tail.main_tiles_n}+{tail.splits}way"))
     if bits == 8 and sm90_gluon and ww.prefer_w8(m, "sm90"):  # per channel here: applies
-        cfg = ww.pick_w8_config(m, n, k, "sm90", kw._num_sms(dev))
+        cfg = ww.WGMMA_W8_CONFIGS["sm90"]
         return f"gluon wgmma w8 {cfg.block_m}x{cfg.block_n} splitK={ww.w8_splits(m, n, k, cfg, kw._num_sms(dev))}"
     if m >= table["cublas_min_m"]:
         return "dequant+cublas"

@@ -113,15 +113,14 @@ def test_sm90_build_keeps_wgmma_in_flight(build, spill_free, tmp_path):
 
 
 def test_w8_configs_scope_and_dispatch_rule():
-    for cfg in ww.WGMMA_W8_CONFIGS["sm90"]:
+    for cfg in ww.WGMMA_W8_CONFIGS.values():
         ww.check_config(cfg)
-    assert ww.pick_w8_config(1024, 10240, 8192, "sm90", 132) in ww.WGMMA_W8_CONFIGS["sm90"]
     assert not ww.prefer_w8(255, "sm90") and ww.prefer_w8(256, "sm90") and ww.prefer_w8(2048, "sm90")
     assert not ww.prefer_w8(2049, "sm90") and not ww.prefer_w8(1024, "default")
     qw = qf.quantize_weight(torch.randn(64, 256), bits=8, group_size=-1)
     x = torch.randn(256, 256, dtype=torch.bfloat16)
     assert not ww.applies_w8(x, qw.qweight, qw.scales, 8)  # CPU: the tl kernels under the interpreter
-    cfg = ww.WGMMA_W8_CONFIGS["sm90"][0]
+    cfg = ww.WGMMA_W8_CONFIGS["sm90"]
     # 256 x 6144 on 132 SMs: 48 tiles of 256 x 128, two K splits of 32 chunks; 1024 x 10240: 320 tiles, none
     assert ww.w8_splits(256, 6144, 4096, cfg, 132) == 2 and ww.w8_splits(1024, 10240, 8192, cfg, 132) == 1
     assert ww.w8_splits(256, 100, 100, cfg, 132) == 2  # two 64-code chunks: at most one per split

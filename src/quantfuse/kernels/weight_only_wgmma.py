@@ -288,6 +288,34 @@ if GLUON_AVAILABLE:
         _tma_load(x_desc, [off_m, k + _HALF], ready.index(slot), x_smem.index(2 * slot + 1), pred=fill)
 
     @gluon.jit
+    def _store_out_tile(acc, out_ptr, bias_ptr, s_ptr, off_n, part_row0, load_m, off_m, M, N, stride_om,
+                        SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, SCALE_ROWS: gl.constexpr,
+                        num_warps: gl.constexpr):
+        """The out^T tile acc [BLOCK_N, BLOCK_M] (weight rows from off_n, x rows from load_m) into out [M, N] with
+        16-byte stores along N (N is contiguous in out); only x rows from off_m and below M are stored.
+        SCALE_ROWS: times the per-channel scale s[n] first. SPLIT: float32 partials [splits, M, .] of split
+        program_id(1), columns counted from weight row part_row0; else plus bias, rounded to out's dtype."""
+        BLOCK_N: gl.constexpr = acc.shape[0]
+        BLOCK_M: gl.constexpr = acc.shape[1]
+        VEC: gl.constexpr = 4 if SPLIT else 8
+        out_l: gl.constexpr = gl.BlockedLayout([VEC, 1], [BLOCK_N // VEC, 32 * VEC // BLOCK_N], [1, num_warps],
+                                               [0, 1])
+        res = gl.convert_layout(acc, out_l)
+        orows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
+        ocols = load_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_l))
+        mask = (orows < N)[:, None] & ((ocols >= off_m) & (ocols < M))[None, :]
+        if SCALE_ROWS:
+            res = res * gl.load(s_ptr + orows, mask=orows < N, other=0.0).to(gl.float32)[:, None]
+        if SPLIT:
+            offs = ocols.to(gl.int64)[None, :] * stride_om + (orows - part_row0)[:, None]
+            gl.store(out_ptr + gl.program_id(1).to(gl.int64) * M * stride_om + offs, res, mask=mask)
+        else:
+            offs = ocols.to(gl.int64)[None, :] * stride_om + orows[:, None]
+            if HAS_BIAS:
+                res += gl.load(bias_ptr + orows, mask=orows < N, other=0.0).to(gl.float32)[:, None]
+            gl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
     def _wo_wgmma_kernel(
         x_desc, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
         M, N, K, stride_wn, stride_om, chunks_per_split, group_chunk_shift, n_tile0, n_count,
@@ -360,23 +388,9 @@ if GLUON_AVAILABLE:
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
 
-        # out^T tile -> out [M, N]: 16-byte stores along N (N is contiguous in out)
-        VEC: gl.constexpr = 4 if SPLIT else 8
-        out_l: gl.constexpr = gl.BlockedLayout([VEC, 1], [BLOCK_N // VEC, 32 * VEC // BLOCK_N], [1, num_warps],
-                                               [0, 1])
-        res = gl.convert_layout(acc, out_l)
-        orows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
-        ocols = load_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_l))
-        mask = (orows < N)[:, None] & ((ocols >= off_m) & (ocols < M))[None, :]
-        if SPLIT:
-            # partials [splits, M, n_count] of this launch's columns
-            offs = ocols.to(gl.int64)[None, :] * stride_om + (orows - n_tile0 * BLOCK_N)[:, None]
-            gl.store(out_ptr + gl.program_id(1).to(gl.int64) * M * stride_om + offs, res, mask=mask)
-        else:
-            offs = ocols.to(gl.int64)[None, :] * stride_om + orows[:, None]
-            if HAS_BIAS:
-                res += gl.load(bias_ptr + orows, mask=orows < N, other=0.0).to(gl.float32)[:, None]
-            gl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+        # partials of a split launch: [splits, M, n_count], this launch's columns
+        _store_out_tile(acc, out_ptr, bias_ptr, s_ptr, off_n, n_tile0 * BLOCK_N, load_m, off_m, M, N, stride_om,
+                        SPLIT, HAS_BIAS, False, num_warps)
 
 
     # ---- int8 codes, one scale per output channel (W8A16 prefill) ----
@@ -475,21 +489,8 @@ if GLUON_AVAILABLE:
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
 
-        VEC: gl.constexpr = 4 if SPLIT else 8
-        out_l: gl.constexpr = gl.BlockedLayout([VEC, 1], [BLOCK_N // VEC, 32 * VEC // BLOCK_N], [1, num_warps],
-                                               [0, 1])
-        res = gl.convert_layout(acc, out_l)
-        orows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
-        ocols = load_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_l))
-        mask = (orows < N)[:, None] & ((ocols >= off_m) & (ocols < M))[None, :]
-        res = res * gl.load(s_ptr + orows, mask=orows < N, other=0.0).to(gl.float32)[:, None]
-        offs = ocols.to(gl.int64)[None, :] * stride_om + orows[:, None]
-        if SPLIT:
-            gl.store(out_ptr + gl.program_id(1).to(gl.int64) * M * stride_om + offs, res, mask=mask)
-        else:
-            if HAS_BIAS:
-                res += gl.load(bias_ptr + orows, mask=orows < N, other=0.0).to(gl.float32)[:, None]
-            gl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_out_tile(acc, out_ptr, bias_ptr, s_ptr, off_n, 0, load_m, off_m, M, N, stride_om, SPLIT, HAS_BIAS,
+                        True, num_warps)
 
 
 def x_descriptor(x2d: torch.Tensor, block_m: int):
@@ -647,12 +648,13 @@ def wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
 # ---- int8 codes, one scale per output channel (W8A16 prefill): `_w8_wgmma_kernel` ----
 
 W8_CHUNK = 64  # int8 codes per chunk of 16 words: one [block_m, 64] x box
-# Per architecture, the candidates `pick_w8_config` chooses from by waves of whole-K tiles (row_cost as for int4).
+# Per architecture, the int8 kernel's config (the int4 kernel's config class: the same fields; row_cost unused).
 # H100 (results/tune_weight_only_w8_wgmma.json: W8A16 per channel, float32 scales, five Llama-3 shapes, M = 33..4096,
 # CUDA graphs, min of 2 rounds): the 256-row tile with 3 stages was the best or within 2% of it from M = 256 to 4096 on
-# every shape; the 128-row tile with 6 stages won only at M = 128, where the int8 tl tile is faster still, and the
-# wave model over both picked the slower one at 4 of 20 prefill points, so one candidate ships.
-WGMMA_W8_CONFIGS: Dict[str, List[WgmmaW4Config]] = {"sm90": [WgmmaW4Config(256, 8, 3)]}
+# every shape; the 128-row tile with 6 stages won only at M = 128, where the int8 tl tile is faster still, and a
+# wave model over both (the int4 kernel's) picked the 128-row tile at 6 of 20 points from M = 256 to 2048, each
+# time slower (1.09-1.45x the 256-row tile's time), so one config ships.
+WGMMA_W8_CONFIGS: Dict[str, WgmmaW4Config] = {"sm90": WgmmaW4Config(256, 8, 3)}
 # Where weight_only_mm runs it (`prefer_w8`): M from min_m to max_m. Same sweep, against the dispatch before (the int8
 # tl tiles below M = 512, dequantize + cuBLAS from 512): M = 256 1.22-1.56x, 512 1.12-1.61x, 1024 1.07-1.24x on four
 # shapes and 0.98x at 4096x6144, 2048 1.01-1.06x; at M = 4096 dequantize + cuBLAS stays (this kernel 0.90-0.96x), and
@@ -689,12 +691,6 @@ def w8_splits(m: int, n: int, k: int, cfg: WgmmaW4Config, num_sms: int) -> int:
     return cdiv(total, cdiv(total, splits))
 
 
-def pick_w8_config(m: int, n: int, k: int, arch: str, num_sms: int) -> WgmmaW4Config:
-    """The candidate with the fewest waves of tiles times rows per tile times row cost."""
-    return min(WGMMA_W8_CONFIGS[arch], key=lambda c: cdiv(cdiv(m, c.block_m) * cdiv(n, c.block_n), num_sms)
-               * c.block_m * c.row_cost)
-
-
 def wgmma_w8_mm(x2d, qweight, scales, zeros, bias, n: int, config: Optional[WgmmaW4Config] = None,
                 splits: Optional[int] = None) -> torch.Tensor:
     """out [M, N] = s * (x2d @ (u - z).T) (+ bias) for int8 codes with one scale (and zero point) per output
@@ -704,7 +700,7 @@ def wgmma_w8_mm(x2d, qweight, scales, zeros, bias, n: int, config: Optional[Wgmm
 
     m, k = x2d.shape
     sms = sm_count(x2d.device)
-    cfg = config or pick_w8_config(m, n, k, arch_key(x2d.device.type, x2d.device.index), sms)
+    cfg = config or WGMMA_W8_CONFIGS[arch_key(x2d.device.type, x2d.device.index)]
     check_config(cfg)
     total = cdiv(k, W8_CHUNK)
     ways = w8_splits(m, n, k, cfg, sms) if splits is None else splits
