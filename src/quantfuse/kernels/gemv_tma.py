@@ -15,7 +15,9 @@ Packed layout: `weight_only` module doc (chunks of 16 int32 words, field i of wo
 The descriptor views qweight [N, words] as [N, words / 16, 16] and a tile is [BLOCK_N, CHUNKS, 16] words; a
 thread holds 4 consecutive words (16 bytes) of R rows, so one x value (loaded once per tile and field) serves
 R weights. Conversion per weight: one LOP3 + one FADD (the in-place magic-number trick of
-`weight_only._field_minus_zero`: exact u - z) and one FFMA with x.
+`weight_only._field_minus_zero`: exact u - z) and one FFMA with x. x is loaded one tile ahead, before the wait for
+the words: loaded after them, each tile's products waited out an L2 round trip for x, which cost 4096x6144 (int8,
+3 tiles per program) 9% of its time (results/tune_gemv_tma_x_ahead.json).
 
 Split-K: programs (row block, K split) write float32 partials; the last program of a row block to arrive
 (an acq_rel counter, reset by it) adds them in split order with the bias and rounds once.
@@ -65,21 +67,27 @@ class GemvConfig:
 # Per architecture and weight width, the candidates; the first runs, the rest are what the tuner sweeps.
 # H100 sweep (benchmarks/tune_gemv_tma.py, results/tune_gemv_tma.json; M = 1, bf16 x, float32 scales, eight
 # Llama-3 shapes, CUDA graphs, same run as the tl GEMV):
-# - int8 per channel: 64 rows x 4 chunks, 4 warps, 3 stages, 4 programs per SM (stop 49,
-#   results/tune_gemv_tma_w8_64rows.json: 1.00-1.09x the earlier pick, 128 rows x 4 chunks x 8 warps x 3 stages x 2
-#   programs per SM, on all eight shapes in two rounds; 4096x6144 15.4 us vs 16.8, 4096x28672 49.9 vs 50.7): 1.05x
-#   the tl GEMV at 4096x6144 (the earlier pick 0.96x), 1.04x at 4096x4096, 1.14-1.40x from 4096x14336 up
-#   (28672x8192 92.0 us = 0.85 of copy bandwidth, 1.85x bf16). The earlier pick measured 1.13-1.40x the tl GEMV on
-#   six shapes in results/tune_gemv_tma.json.
+# - int8 per channel: 32 rows x 4 chunks, 4 warps, 3 stages, 6 programs per SM, with x one tile ahead
+#   (results/tune_gemv_tma_x_ahead.json, same run as the kernel before that change at its pick, 64 rows x 4 chunks x
+#   4 warps x 3 stages x 4 programs per SM, eight shapes, min of 3 alternated rounds): 1.01-1.13x on all eight
+#   (4096x6144 14.38 us vs 15.78, 14336x4096 27.05 vs 29.43, 8192x10240 36.13 vs 38.68, 4096x14336 26.11 vs
+#   29.45, 4096x28672 49.63 vs 50.30, 28672x8192 90.46 vs 91.85); the old pick on the new kernel gains 0.98-1.10x,
+#   the 32-row tiles 4 stages deep lose (0.86-1.02x). Earlier picks (results/tune_gemv_tma_w8_64rows.json,
+#   tune_gemv_tma.json) measured 1.04-1.40x the tl GEMV.
 # - int4 g128: the conversion's ~3.9 instructions per weight (LOP3 + FADD + FFMA and x) make it issue-bound at
 #   0.47-0.65 of copy bandwidth, behind the tl GEMV (8 programs per SM) on five of eight shapes (0.83-0.94x);
 #   ahead where the tl GEMV cannot fill the GPU (4096x1024: 1.26x) and at 28672x8192 (1.10x). `weight_only`
-#   runs int4 here only where its tl tile is under-filled (`weight_only.prefer_gemv_tma`).
-_INT4 = [GemvConfig(128, 2, 4, 4, 3), GemvConfig(128, 2, 4, 6, 2), GemvConfig(64, 2, 4, 4, 6),
-         GemvConfig(128, 1, 4, 8, 2), GemvConfig(256, 2, 8, 4, 1), GemvConfig(128, 4, 8, 3, 2)]
-_INT8 = [GemvConfig(64, 4, 4, 3, 4), GemvConfig(128, 4, 8, 3, 2), GemvConfig(64, 4, 4, 3, 3),
-         GemvConfig(128, 2, 4, 4, 3), GemvConfig(64, 2, 4, 4, 6), GemvConfig(128, 2, 4, 6, 2),
-         GemvConfig(256, 2, 8, 4, 1)]
+#   runs int4 here only where its tl tile is under-filled (`weight_only.prefer_gemv_tma`). With x one tile ahead
+#   the pick is 32 rows x 4 chunks x 4 warps x 3 stages x 6 programs per SM: 1.07-1.22x the kernel before at its
+#   pick (128 rows x 2 chunks x 4 warps x 4 stages x 3 programs per SM) on 4096x1024, 1024x4096, 2048x4096 and
+#   4096x2048, g128 (4096x1024 4.90 us vs 5.98; results/tune_gemv_tma_x_ahead_int4.json), where that old pick on
+#   the new kernel runs 0.96-0.98x.
+_INT4 = [GemvConfig(32, 4, 4, 3, 6), GemvConfig(128, 2, 4, 4, 3), GemvConfig(128, 2, 4, 6, 2),
+         GemvConfig(64, 2, 4, 4, 6), GemvConfig(128, 1, 4, 8, 2), GemvConfig(256, 2, 8, 4, 1),
+         GemvConfig(128, 4, 8, 3, 2)]
+_INT8 = [GemvConfig(32, 4, 4, 3, 6), GemvConfig(64, 4, 4, 3, 4), GemvConfig(32, 4, 4, 3, 8),
+         GemvConfig(128, 4, 8, 3, 2), GemvConfig(64, 4, 4, 3, 3), GemvConfig(128, 2, 4, 4, 3),
+         GemvConfig(64, 2, 4, 4, 6), GemvConfig(128, 2, 4, 6, 2), GemvConfig(256, 2, 8, 4, 1)]
 GEMV_CONFIGS: Dict[str, Dict[int, List[GemvConfig]]] = {"sm90": {4: _INT4, 8: _INT8}}
 
 
@@ -161,6 +169,47 @@ if GLUON_AVAILABLE:
         return code.to(gl.float32, bitcast=True) - (zero + 2.0 ** (23 - P))
 
     @gluon.jit
+    def _x_quad(x_ptr, xk, k_end):
+        """x of four consecutive fields (k = xk, xk + 16, + 32, + 48), 0 from k_end on."""
+        return (gl.load(x_ptr + xk, mask=xk < k_end, other=0.0),
+                gl.load(x_ptr + xk + 16, mask=xk + 16 < k_end, other=0.0),
+                gl.load(x_ptr + xk + 32, mask=xk + 32 < k_end, other=0.0),
+                gl.load(x_ptr + xk + 48, mask=xk + 48 < k_end, other=0.0))
+
+    @gluon.jit
+    def _fields(acc, grp, zero, words, words_hi, x0, x1, x2, x3, k0, nc_ci, nc_rows, nc_ok, s_ptr, z_ptr, N,
+                num_groups, field_mask, group_shift, FIRST: gl.constexpr, BITS: gl.constexpr,
+                GROUP_FIELDS: gl.constexpr, HAS_ZERO: gl.constexpr, PER_CHANNEL: gl.constexpr, CHUNK: gl.constexpr):
+        """Fields FIRST .. FIRST + 3 of a tile's words times their x (x0 .. x3) into the sums: per channel
+        straight into acc, else each group's products in grp, scaled into acc at the group's last field."""
+        for i in gl.static_range(FIRST, FIRST + 4):
+            if i % GROUP_FIELDS == 0:
+                g = gl.minimum((k0 + nc_ci * CHUNK + 16 * i) >> group_shift, num_groups - 1)
+                if HAS_ZERO:
+                    zero = gl.load(z_ptr + g * N + nc_rows, mask=nc_ok, other=0).to(gl.float32)
+            d = _field_minus_zero(words, words_hi, field_mask, i, BITS, zero[:, :, None])
+            if i - FIRST == 0:
+                xv = x0.to(gl.float32)[None, :, :]
+            elif i - FIRST == 1:
+                xv = x1.to(gl.float32)[None, :, :]
+            elif i - FIRST == 2:
+                xv = x2.to(gl.float32)[None, :, :]
+            else:
+                xv = x3.to(gl.float32)[None, :, :]
+            if PER_CHANNEL:
+                acc += d * xv
+            else:
+                if i % GROUP_FIELDS == 0:
+                    grp = d * xv
+                else:
+                    grp += d * xv
+                if i % GROUP_FIELDS == GROUP_FIELDS - 1:  # (the group may have begun in the other call)
+                    g = gl.minimum((k0 + nc_ci * CHUNK + 16 * (i + 1 - GROUP_FIELDS)) >> group_shift, num_groups - 1)
+                    scale = gl.load(s_ptr + g * N + nc_rows, mask=nc_ok, other=0.0).to(gl.float32)
+                    acc += grp * scale[:, :, None]
+        return acc, grp, zero
+
+    @gluon.jit
     def _wo_gemv_tma_kernel(
         w_desc, x_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
         N, K, num_groups, chunks_per_split, splits, field_mask, group_shift,
@@ -207,32 +256,29 @@ if GLUON_AVAILABLE:
         acc = gl.zeros([BLOCK_N, CHUNKS, WORDS], gl.float32, layout)
         grp = gl.zeros([BLOCK_N, CHUNKS, WORDS], gl.float32, layout)
         zero = gl.full([BLOCK_N, CHUNKS], 2 ** (BITS - 1), gl.float32, nc_layout)
+        # x one tile ahead: the first four fields' x of tile t + 1 are loaded at the top of iteration t, before the
+        # wait for tile t's words (int4's last four fields of tile t there too), so no x load waits out its L2
+        # latency between a tile's arrival and its products
+        x0, x1, x2, x3 = _x_quad(x_ptr, c_begin * CHUNK + x_off, k_end)
         for t in range(0, n_tiles):
             slot = t % STAGES
+            k0 = (c_begin + t * CHUNKS) * CHUNK
+            n0, n1, n2, n3 = _x_quad(x_ptr, k0 + CHUNKS * CHUNK + x_off, k_end)
+            if FIELDS == 8:
+                h0, h1, h2, h3 = _x_quad(x_ptr, k0 + 64 + x_off, k_end)
             mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
             words = smem.index(slot).load(layout)
             _cta_barrier()  # every warp has its words: the slot can take the tile STAGES ahead
             _fill(w_desc, smem, ready, t + STAGES, n_tiles, off_n, c_begin, STAGES)
             words_hi = words >> 12
-            k0 = (c_begin + t * CHUNKS) * CHUNK
-            for i in gl.static_range(FIELDS):
-                if i % GROUP_FIELDS == 0:
-                    g = gl.minimum((k0 + nc_ci * CHUNK + 16 * i) >> group_shift, num_groups - 1)
-                    if HAS_ZERO:
-                        zero = gl.load(z_ptr + g * N + nc_rows, mask=nc_ok, other=0).to(gl.float32)
-                d = _field_minus_zero(words, words_hi, field_mask, i, BITS, zero[:, :, None])
-                xk = k0 + 16 * i + x_off
-                xv = gl.load(x_ptr + xk, mask=xk < k_end, other=0.0).to(gl.float32)[None, :, :]
-                if PER_CHANNEL:
-                    acc += d * xv
-                else:
-                    if i % GROUP_FIELDS == 0:
-                        grp = d * xv
-                    else:
-                        grp += d * xv
-                    if i % GROUP_FIELDS == GROUP_FIELDS - 1:
-                        scale = gl.load(s_ptr + g * N + nc_rows, mask=nc_ok, other=0.0).to(gl.float32)
-                        acc += grp * scale[:, :, None]
+            acc, grp, zero = _fields(acc, grp, zero, words, words_hi, x0, x1, x2, x3, k0, nc_ci, nc_rows, nc_ok, s_ptr,
+                                     z_ptr, N, num_groups, field_mask, group_shift, 0, BITS, GROUP_FIELDS, HAS_ZERO,
+                                     PER_CHANNEL, CHUNK)
+            if FIELDS == 8:
+                acc, grp, zero = _fields(acc, grp, zero, words, words_hi, h0, h1, h2, h3, k0, nc_ci, nc_rows, nc_ok,
+                                         s_ptr, z_ptr, N, num_groups, field_mask, group_shift, 4, BITS, GROUP_FIELDS,
+                                         HAS_ZERO, PER_CHANNEL, CHUNK)
+            x0, x1, x2, x3 = n0, n1, n2, n3
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
 
