@@ -24,10 +24,12 @@ float16 x two bytes per PRMT become the float16 pair (1024 + u, 1024 + u') and o
 u - z: one instruction per weight, 1.01-1.10x more, bit-identical (results/tune_weight_only_w8_decode_f16.json).
 One program per SM: a program's tile is 128 weight rows (columns of the output) by the 16 rows of x, and split-K
 over whole steps brings the programs to the SM count; float32 partials are reduced by `weight_only.splitk_reduce`
-with the bias and the one rounding. M = 17..32 takes a 32-row block of x with 128-byte steps, 3 stages and two
-programs per SM (the 32 x 256-byte tile holds 190 registers, one program per SM, and ran slower). M past block_m
-runs more program rows; the M blocks of a weight tile are launched next to each other so that they can share it
-through L2, but two 32-row blocks still lost to the int8 tl tiles at M = 48 / 64 (below).
+with the bias and the one rounding, launched early behind this kernel where `configs.split_k_reduce_pdl` says
+(1.03-1.07x at 4096x6144 and 4096x4096, 1.01-1.02x at 14336x4096, M = 2..32: results/tune_w8_decode_reduce_pdl.json).
+M = 17..32 takes a 32-row block of x with 128-byte steps, 3 stages and two programs per SM (the 32 x 256-byte tile
+holds 190 registers, one program per SM, and ran slower). M past block_m runs more program rows; the M blocks of a
+weight tile are launched next to each other so that they can share it through L2, but two 32-row blocks still lost
+to the int8 tl tiles at M = 48 / 64 (below).
 
 H100 (torch 2.11, Triton 3.6; CUDA graphs, weights rotated past L2, min of 3 alternated rounds in one call,
 results/tune_weight_only_w8_decode.json, W8A16 per channel, bf16 x) against the int8 tile it replaced
@@ -59,8 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cast_to, cdiv, launch_kernel
-from .configs import sm_count
+from ._common import INTERPRET, cast_to, cdiv, grid_dependency_sync, launch_kernel
+from .configs import sm_count, split_k_reduce_pdl
 
 CHUNK_BYTES = 64  # codes of one 16-word chunk (the permutation's period)
 
@@ -173,10 +175,13 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 def _w8_decode_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
                       M, N, K, K_PAD, k_per_split, stride_xm, stride_wn, stride_om,
                       HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, INTERPRET: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """out [M, N] (or split pid's float32 partial [M, N] with SPLIT) = s * (x @ (u - z)^T) over the split's bytes
     [pid * k_per_split, + k_per_split) of K_PAD; w_ptr: the codes as bytes [N, K_PAD]. EVEN: K == K_PAD and every
-    step whole (no masks). Rows past M and columns past N read rows m mod M / n mod N (valid memory), never stored."""
+    step whole (no masks). Rows past M and columns past N read rows m mod M / n mod N (valid memory), never stored.
+    PDL (split-K): let the reduce kernel, launched early behind this one, be scheduled at once."""
+    grid_dependency_sync(PDL)
     # the M blocks of one weight tile are neighbours in launch order (axis 0), so they run together and can share the
     # tile through L2
     pid_s = tl.program_id(2)
@@ -261,12 +266,13 @@ def w8_decode_mm(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
     split = splits > 1
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x2d.device) if split else out
+    pdl = split and split_k_reduce_pdl(x2d.device)  # the reduce kernel launched early, signalled by this one
     launch_kernel(_w8_decode_kernel, (cdiv(m, cfg.block_m), grid_n, splits),
                   x2d, w8, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out,
                   part, m, n, k, k_pad, steps_per_split * cfg.block_k, x2d.stride(0), w8.stride(0), out.stride(0),
                   HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=k == k_pad and k_pad % cfg.block_k == 0,
-                  INTERPRET=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  INTERPRET=INTERPRET, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
-        splitk_reduce(part, bias, out)
+        splitk_reduce(part, bias, out, pdl=pdl)
     return out
