@@ -61,13 +61,19 @@ def _compile_sm90(cfg: gt.GemvConfig, bits: int = 4, per_channel: bool = False):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_sm90_build_streams_by_tma_without_spills(bits, tmp_path):
     """The point of the kernel, checked on its sm90 SASS: weight tiles come by TMA (UTMALDG), are read from shared
-    memory 16 bytes at a time, x comes in 8-byte loads (one per thread, field and tile), and nothing spills."""
+    memory 16 bytes at a time, x comes in 8-byte loads (one per thread, field and tile), and nothing spills. And x is
+    loaded one tile ahead: before the first wait on a tile's words, the prologue's loads of the first tile's first
+    four fields and the loop's loads for the next tile (int4: and this tile's last four fields) are issued."""
     sass, _ = sm90_sass(tmp_path, "tests.kernels.test_gemv_tma",
                         f"_compile_sm90(gt.GEMV_CONFIGS['sm90'][{bits}][0], {bits}, per_channel={bits == 8})")
     assert re.search(r"\bUTMALDG\.3D\b", sass)
     assert re.search(r"\bLDS\.128\b", sass)
     assert re.search(r"\bLDG\.E\.64\b", sass), "x's 4 values per thread should be one 8-byte load"
     assert not re.search(r"\b(STL|LDL)\b", sass), "register spills"
+    first_wait = re.search(r"\bSYNCS\.PHASECHK\b", sass)
+    assert first_wait, "no mbarrier wait found"
+    ahead = len(re.findall(r"\bLDG\.E\.64\b", sass[:first_wait.start()]))
+    assert ahead >= (12 if bits == 4 else 8), f"{ahead} x loads issued before the first wait on the words"
 
 
 def test_prefer_rule():

@@ -131,6 +131,24 @@ def test_dispatch_band(monkeypatch, triton_backend):
     assert not kwd.prefer(1, "sm90") and not kwd.prefer(33, "sm90") and not kwd.prefer(8, "default")
 
 
+def test_split_reduce_launched_early_where_configured(monkeypatch):
+    """With split-K and configs.split_k_reduce_pdl: the decode kernel gets PDL (it signals its dependents at its
+    start) and the reduce kernel is launched with pdl; without either, neither. Launches recorded, not run: the
+    interpreter has no grid dependency control."""
+    launches, reduces = [], []
+    monkeypatch.setattr(kwd, "launch_kernel", lambda fn, grid, *a, **kw_: launches.append(kw_))
+    monkeypatch.setattr(kw, "splitk_reduce", lambda part, bias, out, pdl=False: reduces.append(pdl))
+    qw = _qw(48, 256, symmetric=True)
+    x = torch.randn(4, 256).to(BF16)
+    for reduce_pdl, splits, want_pdl, want_reduces in [(True, 2, True, [True]), (True, 1, False, []),
+                                                       (False, 2, False, [False])]:
+        monkeypatch.setattr(kwd, "split_k_reduce_pdl", lambda device, v=reduce_pdl: v)
+        launches.clear()
+        reduces.clear()
+        _run(x, qw, config=SMALL_CFG, splits=splits, num_sms=4)
+        assert [c["PDL"] for c in launches] == [want_pdl] and reduces == want_reduces, (reduce_pdl, splits)
+
+
 def test_applies_scope():
     qw = _qw(16, 64, symmetric=True)
     x = torch.randn(4, 64).to(BF16)
