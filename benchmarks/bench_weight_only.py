@@ -136,6 +136,13 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
         cfg, splits, tail = ww.plan(m, n, k, "sm90", kw._num_sms(dev))  # what wgmma_w4_mm runs
         return (f"gluon wgmma {cfg.block_m}x{cfg.block_n} splitK={splits}"
                 + ("" if tail is None else f" tail {tail.main_tiles_n}+{tail.splits}way"))
+    small = ww.small_m_config(m, n, k, "sm90", kw._num_sms(dev), SCALE_DTYPE == BF16) if bits == 4 and sm90_gluon \
+        else None
+    if small is not None:  # 16-bit scales at M = 32 / 64 / 128: what wgmma_w4_mm runs with that config
+        splits = ww.splits_for(m, n, k, small, kw._num_sms(dev))
+        tail = ww.tail_split_for(m, n, k, small, kw._num_sms(dev))
+        return (f"gluon wgmma {small.block_m}x{small.block_n} splitK={splits}"
+                + ("" if tail is None else f" tail {tail.main_tiles_n}+{tail.splits}way"))
     if bits == 8 and sm90_gluon and ww.prefer_w8(m, "sm90"):  # per channel here: applies
         cfg = ww.WGMMA_W8_CONFIGS["sm90"]
         return f"gluon wgmma w8 {cfg.block_m}x{cfg.block_n} splitK={ww.w8_splits(m, n, k, cfg, kw._num_sms(dev))}"

@@ -184,6 +184,36 @@ def test_special_rows_stay_in_their_rows():
     special_rows_checked(_run, _quantized(1024, 4096, SCHEMES[0], BF16))
 
 
+# 16-bit scales at M = 32 / 64 / 128 (weight_only_wgmma.small_m_config): this kernel with M's config; float32
+# scales, other M and a poorly filled grid: the tl tiles
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_small_m_16bit_scales_dispatch(monkeypatch, dtype):
+    calls = []
+    real = ww.wgmma_w4_mm
+
+    def spy(*args, **kwargs):
+        calls.append((args[0].shape[0], kwargs.get("config")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ww, "wgmma_w4_mm", spy)
+    for scheme in ((128, True, "x"), (-1, False, "x")):
+        qw = _quantized(6144, 4096, scheme, dtype)
+        bias = torch.randn(6144, device=DEV).to(dtype)
+        for m in (32, 64, 128):
+            x = torch.randn(m, 4096, device=DEV).to(dtype)
+            y = qf.weight_only_mm(x, qw, bias)
+            assert calls[-1] == (m, ww.SMALL_M_16BIT["sm90"][m])
+            _check_bound(y, x, qw, bias, f"small M {m} g{scheme[0]} {dtype}")
+        n_calls = len(calls)
+        qf.weight_only_mm(torch.randn(96, 4096, device=DEV).to(dtype), qw)  # rows past M: the tl tile
+        assert len(calls) == n_calls
+    qw32 = _quantized(6144, 4096, SCHEMES[0], dtype)  # float32 scales
+    qf.weight_only_mm(torch.randn(64, 4096, device=DEV).to(dtype), qw32)
+    qw_wide = _quantized(10240, 8192, (128, True, "x"), dtype)  # 160 tiles: the tl tile
+    qf.weight_only_mm(torch.randn(64, 8192, device=DEV).to(dtype), qw_wide)
+    assert len(calls) == 6
+
+
 def test_dispatch_graph_and_fallback(monkeypatch):
     qw = _quantized(6144, 4096, SCHEMES[0], BF16)
     calls = []

@@ -42,6 +42,24 @@ def test_prefer_rule():
     assert not ww.prefer(256, 10240, 8192, "default")
 
 
+def test_small_m_rule():
+    """16-bit scales at M = 32 / 64 / 128 exactly, where the programs fill their last round well enough."""
+    for m in (32, 64, 128):
+        for n, k in ((6144, 4096), (28672, 4096), (4096, 14336), (8192, 28672)):
+            cfg = ww.small_m_config(m, n, k, "sm90", 132, True)
+            assert cfg is not None and cfg.block_m == m and cfg.num_warps == 4 and cfg.programs_per_sm == 2
+        # 10240 x 8192: 160 column tiles, no split, 160 of 264 slots (0.61)
+        assert ww.small_m_config(m, 10240, 8192, "sm90", 132, True) is None
+        assert ww.small_m_config(m, 6144, 4096, "sm90", 132, False) is None  # float32 scales: the tl tiles
+        assert ww.small_m_config(m, 6144, 4096, "default", 132, True) is None
+        assert ww.small_m_config(m, 6144, 4096, "sm90", 0, True) is None  # no GPU
+    for m in (1, 16, 31, 33, 48, 96, 127, 129):
+        assert ww.small_m_config(m, 6144, 4096, "sm90", 132, True) is None
+    # 6144 x 4096: 96 tiles x 2 splits = 192 of 264 slots (0.73)
+    assert ww.splits_for(64, 6144, 4096, ww.SMALL_M_16BIT["sm90"][64], 132) == 2
+    assert set(ww.SMALL_M_16BIT["sm90"].values()) <= set(ww.all_configs("sm90"))
+
+
 @pytest.mark.parametrize("m,n,k,block_m", [
     (384, 10240, 8192, 128),   # 160 tiles of 256 rows: a nearly empty second wave
     (384, 28672, 4096, 128),
@@ -95,6 +113,9 @@ def _compile_sm90(block_m=128, num_warps=8, stages=4, dtype="bf16", scale16=Fals
 @pytest.mark.skipif(not ww.GLUON_AVAILABLE, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("build,spill_free", [
     ("block_m=128, stages=4, dtype='bf16', has_zero=True", True),
+    # the small-M configs of 16-bit scales (SMALL_M_16BIT: 4 warps)
+    ("block_m=32, num_warps=4, stages=4, dtype='bf16', scale16=True, split=True", True),
+    ("block_m=128, num_warps=4, stages=3, dtype='fp16', scale16=True, split=True", True),
     ("block_m=256, stages=3, dtype='fp16', scale16=True, split=True", True),
     # the 256-row tile with float32 scales sits at 255 registers (ptxas: 20 bytes spilled), measured as shipped
     ("block_m=256, stages=3, dtype='bf16'", False),

@@ -65,7 +65,8 @@ Kernels:
   wgmma, so converting the next chunk overlaps the current chunk's product (the `tl` kernel waits for each
   chunk's product first); `weight_only_mm` runs it where `weight_only_wgmma.prefer` says (M = 129..1024, from
   768 on only weights of 32M codes or more; up to 2048 with 16-bit scales), ahead of the tl wide tiles and of
-  dequantize + cuBLAS there.
+  dequantize + cuBLAS there, and with 16-bit scales at M = 32 / 64 / 128 where `weight_only_wgmma.small_m_config`
+  says.
 - `weight_only_ws` (Gluon, sm90, int4, M >= 256): the conversion in a producer warpgroup of its own, feeding
   shared-memory wgmma in two consumer warpgroups; `weight_only_mm` runs it where `weight_only_ws.prefer` says
   (M = 1024..2048, and M = 256..1023 where the wgmma kernel's model keeps whole-K 256 x 128 tiles), ahead of the
@@ -122,8 +123,10 @@ def chunk_codes(bits: int) -> int:
 # (`pick_from`). Measured on the H100
 # (tune_weight_only_packed.json vs tune_weight_only_m64_m128.json / weight_only.json): with bfloat16
 # scales "packed" beats "inplace" by 1.3-1.6x at every M (16-bit scale loads slow "inplace" down), but
-# against float32 scales + "inplace" it gains only 2-5% at M <= 16 and loses 10-30% at M = 32..128, so
-# the quantize_ configs keep float32 scales unless asked (scale_dtype).
+# against float32 scales + "inplace" it gains only 2-5% at M <= 16 and loses 10-30% at M = 32..128 (ptxas
+# serializes the wide tiles' wgmma under the packed conversion: C7515), so the quantize_ configs keep float32 scales
+# unless asked (scale_dtype); with 16-bit scales M = 32 / 64 / 128 run `weight_only_wgmma` where its small_m_config
+# says.
 _DISPATCH = {
     "sm90": {
         "tiles": [
@@ -1218,6 +1221,9 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
     if weight_only_wgmma.prefer(m, n, k, arch, scale16) \
             and weight_only_wgmma.applies(x2d, qweight, scales, bits, group_size):
         return weight_only_wgmma.wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size, n)
+    small = weight_only_wgmma.small_m_config(m, n, k, arch, sms, scale16)
+    if small is not None and weight_only_wgmma.applies(x2d, qweight, scales, bits, group_size):
+        return weight_only_wgmma.wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size, n, config=small)
     if weight_only_wgmma.prefer_w8(m, arch) and weight_only_wgmma.applies_w8(x2d, qweight, scales, bits):
         return weight_only_wgmma.wgmma_w8_mm(x2d, qweight, scales, zeros, bias, n)
     if x2d.is_cuda and m >= _table(x2d.device)["cublas_min_m"]:

@@ -121,8 +121,37 @@ WGMMA_W4_DISPATCH: Dict[str, Dict[str, int]] = {
 }
 
 
+# 16-bit scales of x's dtype at M = 32 / 64 / 128 exactly: one full row tile of M tokens, 64 weight rows a program (4
+# warps), split-K for two programs per SM, ahead of the tl wide tiles there (whose packed conversion ptxas serializes
+# the wgmma of: C7515 in the sm90 build). H100 (results/tune_weight_only_mid_m_wgmma_bf16.json, W4A16 g128
+# symmetric, bfloat16 scales, bf16 x, five Llama-3 shapes, CUDA graphs, same run as the tl tiles): 1.03-1.14x at
+# M = 32, 1.09-1.19x at 64, 1.18-1.49x at 128 (4096x6144 21.9 us vs 32.0). Where the grid fills less than
+# SMALL_M_MIN_FILL of two programs per SM (8192x10240: 160 tiles, one split) it lost at M = 32 / 64 (0.76x / 0.81x;
+# 1.02x at 128), and with rows past M (M = 96 on the 128-row tile: the copy engine's zero-filled rows) it was mixed
+# (0.87-1.37x): both stay on the tl tiles. So do float32 scales, whose tl path is the faster one: the same configs
+# there won on 2 of 5 shapes at M = 128 and lost on 3, and at M = 80 on 1 (results/tune_weight_only_mid_m_wgmma.json).
+SMALL_M_16BIT: Dict[str, Dict[int, WgmmaW4Config]] = {
+    "sm90": {32: WgmmaW4Config(32, 4, 4, 2), 64: WgmmaW4Config(64, 4, 4, 2), 128: WgmmaW4Config(128, 4, 3, 2)},
+}
+SMALL_M_MIN_FILL = 0.7
+
+
 def all_configs(arch: str) -> List[WgmmaW4Config]:
-    return list(WGMMA_W4_CONFIGS[arch])
+    """The prefill candidates, then the small-M configs of 16-bit scales (what the tests run)."""
+    out = list(WGMMA_W4_CONFIGS[arch])
+    return out + [c for c in SMALL_M_16BIT.get(arch, {}).values() if c not in out]
+
+
+def small_m_config(m: int, n: int, k: int, arch: str, num_sms: int, scale16: bool) -> Optional[WgmmaW4Config]:
+    """The config weight_only_mm runs this kernel with at a small M (SMALL_M_16BIT), or None: 16-bit scales, M one
+    of the table's full row tiles, and programs (column tiles x `splits_for`) filling at least SMALL_M_MIN_FILL of
+    their last round of programs_per_sm x SMs."""
+    cfg = SMALL_M_16BIT.get(arch, {}).get(m) if scale16 and num_sms > 0 else None
+    if cfg is None:
+        return None
+    slots = cfg.programs_per_sm * num_sms
+    programs = cdiv(n, cfg.block_n) * splits_for(m, n, k, cfg, num_sms)
+    return cfg if programs >= SMALL_M_MIN_FILL * cdiv(programs, slots) * slots else None
 
 
 def check_config(cfg: WgmmaW4Config) -> None:
