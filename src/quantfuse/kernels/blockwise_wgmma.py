@@ -84,7 +84,9 @@ class WgmmaConfig:
 # activation scales in the slot ring) in one run with the kernel above (tune_blockwise_ws_smem.json, same twelve
 # shapes): 877-1091 TFLOPS against 877-1028, 0.73-0.86x rowwise against 0.70-0.79x; ahead on 10 of 12 shapes
 # (behind at 1024x4096x28672, 940 vs 959, and level at 4096x14336x4096). 3 stages lose 10-15%
-# (tune_blockwise_ws.json); 5 stages do not fit beside the epilogue's layout-conversion scratch.
+# (tune_blockwise_ws.json); 5 stages do not fit beside the epilogue's layout-conversion scratch. A 192-row tile with
+# three consumer warpgroups (each step's partial waited for: acc + two partials do not fit four warpgroups' registers)
+# lost on 16 of 18 shapes, 0.58-0.96x rowwise (tune_blockwise_ws3.json; not kept).
 WGMMA_CONFIGS: Dict[str, List[Tuple[int, List[WgmmaConfig]]]] = {
     "sm90": [(_BIG, [WgmmaConfig(128, 128, 8, 4, 8, 1), WgmmaConfig(128, 128, 8, 4), WgmmaConfig(128, 128, 8, 4, 16, 1),
                      WgmmaConfig(128, 128, 8, 3)])],

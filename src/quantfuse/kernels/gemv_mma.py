@@ -101,7 +101,10 @@ class MmaDecodeConfig:
 # takes 0.58-1.0x its time (H100, results/tune_gemv_mma_m16.json, eight shapes 4096x1024..28672x8192, M = 9 /
 # 12 / 16, CUDA graphs), and 128 rows x 4 warps x 2 programs per SM is within 1% of the best candidate on each.
 # A TMA-fed variant (words through a shared-memory ring, 124 registers at M = 16) measured 0.7-1.0x these picks
-# at M = 1..16 and was not kept (results/tune_gemv_mma_tma*.json).
+# at M = 1..16 and was not kept (results/tune_gemv_mma_tma*.json). x loaded right before each chunk's product instead
+# of double-buffered (fewer registers: MP = 32 builds without spills, and early refill fits at M = 9..16) lost to
+# the tl wide tile at M = 24 / 32 (0.70-0.86x) and to these picks at M = 12 / 16 (0.90-1.02x):
+# results/tune_gemv_mma_m32.json, _xlate_m16.json; not kept.
 # M = 1..8: early refill, 128 rows x 8 warps x 2 programs per SM (127 registers: two programs fill the register
 # file). Same H100 run (results/tune_gemv_mma_early_refill.json, 7 shapes 4096x4096..28672x8192, M = 1 / 4 / 8,
 # CUDA graphs): geometric mean 1.069x the earlier pick (128 rows x 4 warps x 4 programs per SM, whose loop has one
