@@ -184,10 +184,8 @@ def test_special_rows_stay_in_their_rows():
     special_rows_checked(_run, _quantized(1024, 4096, SCHEMES[0], BF16))
 
 
-# 16-bit scales at M = 32 / 64 / 128 (weight_only_wgmma.small_m_config): this kernel with M's config; float32
-# scales, other M and a poorly filled grid: the tl tiles
-@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
-def test_small_m_16bit_scales_dispatch(monkeypatch, dtype):
+def _spy_dispatch(monkeypatch):
+    """Wraps ww.wgmma_w4_mm for weight_only_mm's dispatch: (the (M, config) of each call, the unwrapped function)."""
     calls = []
     real = ww.wgmma_w4_mm
 
@@ -196,6 +194,14 @@ def test_small_m_16bit_scales_dispatch(monkeypatch, dtype):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ww, "wgmma_w4_mm", spy)
+    return calls, real
+
+
+# 16-bit scales at M = 32 / 64 / 128 (weight_only_wgmma.small_m_config): this kernel with M's config; float32
+# scales, other M and a poorly filled grid: the tl tiles
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_small_m_16bit_scales_dispatch(monkeypatch, dtype):
+    calls, _ = _spy_dispatch(monkeypatch)
     for scheme in ((128, True, "x"), (-1, False, "x")):
         qw = _quantized(6144, 4096, scheme, dtype)
         bias = torch.randn(6144, device=DEV).to(dtype)
@@ -216,25 +222,18 @@ def test_small_m_16bit_scales_dispatch(monkeypatch, dtype):
 
 def test_dispatch_graph_and_fallback(monkeypatch):
     qw = _quantized(6144, 4096, SCHEMES[0], BF16)
-    calls = []
-    real = ww.wgmma_w4_mm
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ww, "wgmma_w4_mm", spy)
+    calls, real = _spy_dispatch(monkeypatch)
     x = torch.randn(256, 4096, device=DEV).to(BF16)
     y = qf.weight_only_mm(x, qw)
-    assert calls == [256] and torch.equal(y, real(x, qw.qweight, qw.scales, qw.zeros, None, 128, 6144))
+    assert calls == [(256, None)] and torch.equal(y, real(x, qw.qweight, qw.scales, qw.zeros, None, 128, 6144))
     qf.weight_only_mm(x[:64], qw)  # M <= 128: the tl wide tile
     qf.weight_only_mm(torch.randn(2048, 4096, device=DEV).to(BF16), qw)  # the warp-specialized kernel
-    assert calls == [256]
+    assert calls == [(256, None)]
     # a padded-row view whose row stride (4100 x 2 bytes) no tensor descriptor takes: the tl kernels
     xp = torch.randn(256, 4100, device=DEV).to(BF16)[:, :4096]
     assert not ww.applies(xp, qw.qweight, qw.scales, 4, 128)
     _check_bound(qf.weight_only_mm(xp, qw), xp, qw, None, "padded view")
-    assert calls == [256]
+    assert calls == [(256, None)]
     # CUDA graph capture and replay
     x2, y2 = _graph_replayed(x, qw)
     assert torch.equal(y2, real(x2, qw.qweight, qw.scales, qw.zeros, None, 128, 6144))
