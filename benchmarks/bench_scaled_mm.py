@@ -33,6 +33,8 @@ PEAK_TOPS = 1979.0
 INT8, FP8, BF16 = torch.int8, torch.float8_e4m3fn, torch.bfloat16
 LLAMA_KN = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192)]
 LLAMA_M = [1, 16, 1024, 4096]
+LLAMA_KN = common.shapes_from_env(LLAMA_KN)  # BENCH_KN: other shapes, written to scaled_mm<BENCH_SUFFIX>.json
+SUFFIX = os.environ.get("BENCH_SUFFIX", "")
 QUICK = os.environ.get("BENCH_QUICK", "0") == "1"
 AZP_ROUNDS = 3
 
@@ -138,7 +140,8 @@ def main():
                 row["int_mm_alone_ms"] = t(torch_int_mm_alone, sets)
                 row["int_mm_alone_TOPS"] = tops(m, k, n, row["int_mm_alone_ms"])
         # zero-point epilogue overhead (per-token azp + bias) vs symmetric + bias
-        azp_sets = [(a, b, sa, sb, bias, qf.azp_adjustment(b), torch.randint(-100, 100, (m, 1), dtype=torch.int32, device="cuda"))
+        azp_sets = [(a, b, sa, sb, bias, qf.azp_adjustment(b),
+                     torch.randint(-100, 100, (m, 1), dtype=torch.int32, device="cuda"))
                     for a, b, sa, sb, bias in sets]
         sym_runs, azp_runs = [ours_ms], []
         for r in range(AZP_ROUNDS):
@@ -186,7 +189,8 @@ def main():
             v = row.get(key)
             return f"{v:.2f}" if isinstance(v, float) else "n/a"
 
-        print(f"[{time.time() - start:6.1f}s] {m}x{k}x{n}: int8 {row['int8_TOPS']:.0f} TOPS ({fmt('x_vs_int_mm_epi')}x int_mm+epi, "
+        print(f"[{time.time() - start:6.1f}s] {m}x{k}x{n}: int8 {row['int8_TOPS']:.0f} TOPS "
+              f"({fmt('x_vs_int_mm_epi')}x int_mm+epi, "
               f"{fmt('x_vs_bf16_linear')}x bf16), fp8 {row['fp8_TOPS']:.0f} TOPS ({fmt('x_vs_scaled_mm')}x scaled_mm), "
               f"azp +{100 * row['azp_overhead']:.1f}%, blockwise {fmt('blockwise_vs_rowwise')}x rowwise, "
               f"{fmt('x_vs_torch_blockwise')}x torch blockwise", flush=True)
@@ -197,14 +201,17 @@ def main():
                "scaled_mm_ms", "x_vs_scaled_mm", "blockwise_ms", "blockwise_vs_rowwise", "torch_blockwise_ms",
                "x_vs_torch_blockwise", "int8_weight_GBs_frac_copy", "int_mm_alone_ms", "int_mm_alone_TOPS"]
     tuned = {str(k): str(v) for k, v in kmm._tuned.items()}
-    notes = (f"copy bandwidth {bw:.0f} GB/s, bf16 matmul {bf16_peak:.0f} TFLOPS measured; peak INT8/FP8 dense {PEAK_TOPS} TOPS. "
+    notes = (f"copy bandwidth {bw:.0f} GB/s, bf16 matmul {bf16_peak:.0f} TFLOPS measured; peak INT8/FP8 dense "
+             f"{PEAK_TOPS} TOPS. "
              f"azp_overhead: median of {AZP_ROUNDS} zero-point timings over the median of the symmetric ones, timed in "
              "alternation (azp_sym_ms). "
-             f"torch._scaled_mm blockwise (1x128 x 128x128, no bias: ours adds it) ran on {len(torch_blockwise_ran)} of "
-             f"{len(rows)} shapes; "
-             + ("; ".join(f"refused on {', '.join(v)}: {k}" for k, v in torch_blockwise_refused.items()) or "refused on none")
+             f"torch._scaled_mm blockwise (1x128 x 128x128, no bias: ours adds it) ran on "
+             f"{len(torch_blockwise_ran)} of {len(rows)} shapes; "
+             + ("; ".join(f"refused on {', '.join(v)}: {k}" for k, v in torch_blockwise_refused.items())
+                or "refused on none")
              + f". autotune={'on' if kmm._autotune_enabled() else 'off'}")
-    path = common.write_result("scaled_mm", "Scaled matmul with fused epilogues (INT8/FP8) and blockwise FP8", rows,
+    title = "Scaled matmul with fused epilogues (INT8/FP8) and blockwise FP8" + common.shapes_title(LLAMA_KN)
+    path = common.write_result("scaled_mm" + SUFFIX, title, rows,
                                columns=columns, notes=notes, extra={"tuned_configs": tuned})
     print()
     common.print_table(rows, ["M", "K", "N", "int8_TOPS", "x_vs_int_mm_epi", "x_vs_bf16_linear", "azp_overhead",
