@@ -56,6 +56,8 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 if QUICK:
     LLAMA_KN = [(4096, 6144), (28672, 8192)]
     W4_M = [1, 16, 128, 1024]
+LLAMA_KN = common.shapes_from_env(LLAMA_KN)  # BENCH_KN: other shapes, written to weight_only<BENCH_SUFFIX>.json
+SUFFIX = os.environ.get("BENCH_SUFFIX", "")
 
 
 def t(fn, sets):
@@ -129,6 +131,8 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
     dev = torch.device("cuda")
     table = kw._table(dev)
     sm90_gluon = gt.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
+    if kw.prefer_dequant_cublas_small(m, n, k, table):
+        return "dequant+cublas (small weight)"
     if bits == 4 and sm90_gluon and wws.prefer(m, n, k, "sm90", kw._num_sms(dev)):
         tail = wws.tail_plan(m, n, k, "sm90", kw._num_sms(dev))  # what ws_w4_mm runs
         return "gluon ws 256x128" + ("" if tail is None else f" tail {tail[1].main_tiles_n}+{tail[1].splits}way")
@@ -221,7 +225,8 @@ def bench_shape(k, n, ms, bits, bw, rows, tinygemm_status, start):
         if bits == 4:
             if tg_sets is not None:
                 try:
-                    row["tinygemm_us"] = t(tinygemm, [(xs[i % len(xs)], wp, sz) for i, (wp, sz) in enumerate(tg_sets)]) * 1e3
+                    tg_args = [(xs[i % len(xs)], wp, sz) for i, (wp, sz) in enumerate(tg_sets)]
+                    row["tinygemm_us"] = t(tinygemm, tg_args) * 1e3
                     row["speedup_vs_tinygemm"] = row["tinygemm_us"] / row["ours_us"]
                 except Exception as e:  # noqa: BLE001
                     row["tinygemm_us"] = "n/a"
@@ -240,7 +245,8 @@ def bench_shape(k, n, ms, bits, bw, rows, tinygemm_status, start):
             v = row.get(key)
             return format(v, spec) if isinstance(v, float) else str(v if v is not None else "-")
 
-        print(f"[{time.time() - start:6.1f}s] {row['scheme']} M={m} K={k} N={n} ({row['path']}): ours {fmt('ours_us', '.1f')} us, "
+        print(f"[{time.time() - start:6.1f}s] {row['scheme']} M={m} K={k} N={n} ({row['path']}): "
+              f"ours {fmt('ours_us', '.1f')} us, "
               f"bf16 {fmt('bf16_us', '.1f')} us ({fmt('speedup_vs_bf16')}x), tinygemm {fmt('tinygemm_us', '.1f')} us "
               f"({fmt('speedup_vs_tinygemm')}x), fused-forced {fmt('fused_us', '.1f')} us, "
               f"{fmt('weight_GBs', '.0f')} GB/s = {fmt('frac_copy_bw')} of copy", flush=True)
@@ -252,7 +258,8 @@ def main():
     torch.manual_seed(0)
     info = common.env_info()
     bw = common.copy_bandwidth_gbs()
-    print(f"device {info.get('device')}  torch {info['torch']}  triton {info['triton']}  copy {bw:.0f} GB/s", flush=True)
+    print(f"device {info.get('device')}  torch {info['torch']}  triton {info['triton']}  copy {bw:.0f} GB/s",
+          flush=True)
     rows = []
     tinygemm_status = {"ok": None}
     start = time.time()
@@ -264,7 +271,8 @@ def main():
     columns = ["scheme", "K", "N", "M", "path", "ours_us", "bf16_us", "tinygemm_us", "speedup_vs_bf16",
                "speedup_vs_tinygemm", "weight_GBs", "frac_copy_bw", "fused_us", "dequant_cublas_us"]
     if tinygemm_status["ok"]:
-        tg = "ok; mean rel diff vs ours at M=16: " + ", ".join(f"{s} {v:.2g}" for s, v in tinygemm_status.get("check", {}).items())
+        checks = tinygemm_status.get("check", {}).items()
+        tg = "ok; mean rel diff vs ours at M=16: " + ", ".join(f"{s} {v:.2g}" for s, v in checks)
         if tinygemm_status.get("run_errors"):
             tg += "; run errors: " + " | ".join(tinygemm_status["run_errors"][:3])
     else:
@@ -275,8 +283,8 @@ def main():
              f"Our scales are {str(SCALE_DTYPE).replace('torch.', '')} [K/128, N] (counted in weight_GBs; "
              f"BENCH_SCALE_DTYPE). cublas_min_m={table['cublas_min_m']}. "
              f"tinygemm (_weight_int4pack_mm, inner_k_tiles={INNER_K_TILES}): {tg}. total {time.time() - start:.0f} s")
-    name = "weight_only" if SCALE_DTYPE == torch.float32 else f"weight_only_{str(SCALE_DTYPE)[6:]}"
-    title = "Weight-only INT4/INT8 GEMM (W4A16 g128, W8A16) vs bf16 and tinygemm"
+    name = ("weight_only" if SCALE_DTYPE == torch.float32 else f"weight_only_{str(SCALE_DTYPE)[6:]}") + SUFFIX
+    title = "Weight-only INT4/INT8 GEMM (W4A16 g128, W8A16) vs bf16 and tinygemm" + common.shapes_title(LLAMA_KN)
     if SCALE_DTYPE != torch.float32:
         title += f", {str(SCALE_DTYPE)[6:]} scales (packed conversion where it applies)"
     common.finish(name, title, rows, columns, notes, extra={"tiles": [dict(t_) for t_ in table["tiles"]]})

@@ -116,7 +116,7 @@ def test_public_op_dispatch(monkeypatch):
     calls = []
     real = gm.gemv_mma
     monkeypatch.setattr(gm, "gemv_mma", lambda *a, **kw_: calls.append(1) or real(*a, **kw_))
-    for k, n in ((4096, 4096), (4096, 14336)):
+    for k, n in ((4096, 4096), (4096, 14336), (2048, 3072)):  # 2048x3072: a Llama-3.2-1B shape
         qw = qf.quantize_weight(_weight(n, k), bits=4, group_size=128)
         for m in (1, 4, 8, 9, 16, 17):
             calls.clear()

@@ -12,7 +12,7 @@ What is checked:
   w_hat = qw.dequantize(x.dtype) and TF32 off. Stated bound, per output element:
 
       |y - ref| <= (2^-7  + 2^-14) * ((|x| @ |w_hat|.T) + |bias|)             for bfloat16
-      |y - ref| <= (2^-10 + 2^-17) * ((|x| @ |w_hat|.T) + |bias|) + 2^-24     for float16 (2^-24: fp16 subnormal spacing)
+      |y - ref| <= (2^-10 + 2^-17) * ((|x| @ |w_hat|.T) + |bias|) + 2^-24     for float16 (2^-24: fp16 subnormals)
 
   i.e. one rounding of the output (u = 2^-8 / 2^-11 relative, and |ref| <= |x| @ |w_hat|), one rounding of
   each weight (the tiles with the scale after the sums, the shipped M = 1 GEMV among them, multiply by the
@@ -308,6 +308,27 @@ def test_fused_tiled_kernel_forced_large_m(k, n, scheme, dtype):
     assert_gemm_within_bound(y, x, qw.dequantize(dtype), bias, f"fused-M{m}-K{k}-N{n}-{name}-{str(dtype)[6:]}")
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_small_weight_dequant_cublas_dispatch(monkeypatch, bits):
+    """A small weight (Llama-3.2-1B's q|k|v, 2048 x 3072) dequantizes once and calls cuBLAS from the M its
+    `cublas_small_weights` entry names (here 128), ahead of the Gluon kernels; decode sizes stay on the kernels."""
+    table = kw._table(torch.device(DEV))
+    if not table.get("cublas_small_weights"):
+        pytest.skip("this GPU's dispatch table has no small-weight rule")
+    k, n = 2048, 3072
+    qw = qf.quantize_weight(_weight(n, k), bits=bits, group_size=128 if bits == 4 else -1)
+    bias = torch.randn(n, device=DEV).to(BF16)
+    calls = []
+    real = kw.dequantize
+    monkeypatch.setattr(kw, "dequantize", lambda *a, **kw_: calls.append(a[-1]) or real(*a, **kw_))
+    for m, dequantized in ((64, False), (127, False), (128, True), (1024, True)):
+        calls.clear()
+        x = torch.randn(m, k, device=DEV).to(BF16)
+        y = qf.weight_only_mm(x, qw, bias)
+        assert calls == ([BF16] if dequantized else []), f"M={m}"
+        assert_gemm_within_bound(y, x, qw.dequantize(BF16), bias, f"small-weight-w{bits}-M{m}")
+
+
 # ---------------------------------------------------------------------------------------------------
 # (c) bias, 3-D and padded-row x, NaN isolation, act-order, CUDA graphs, torch.compile
 # ---------------------------------------------------------------------------------------------------
@@ -598,7 +619,8 @@ def test_scale_after_vs_unrounded_weights_gpu(tile, dtype):
             err = (y.float() - want).abs()
             bound = UNIT[dtype] * want.abs() + 2.0**-20 * mag + ABS[dtype] + 1e-30
             ratio = float((err / bound).max())
-            label = f"after-{_tile_label(tile)}-w{bits}g{group}{'s' if sym else 'a'}-{str(sdt)[6:]}-K{k}-{str(dtype)[6:]}"
+            label = (f"after-{_tile_label(tile)}-w{bits}g{group}{'s' if sym else 'a'}-{str(sdt)[6:]}-K{k}"
+                     f"-{str(dtype)[6:]}")
             print(f"{label}: worst err / bound {ratio:.3g}")
             assert ratio <= 1.0, label
             ks = [0, 17, 127, 128, k // 2 + 5, k - 1]

@@ -34,9 +34,11 @@ def test_prefer_rule():
     assert kw.prefer_gemv_mma(1, 28672, 4096)
     assert kw.prefer_gemv_mma(1, 14336, 4096)
     assert kw.prefer_gemv_mma(1, 6144, 4096) and kw.prefer_gemv_mma(1, 4096, 4096)  # early refill wins there
-    assert not kw.prefer_gemv_mma(1, 1024, 4096)  # the tl GEMV stays ahead below 4096x4096
+    assert kw.prefer_gemv_mma(1, 3072, 2048) and kw.prefer_gemv_mma(1, 3072, 3072)  # small models: from 6M codes
+    assert not kw.prefer_gemv_mma(1, 1024, 4096) and not kw.prefer_gemv_mma(1, 2048, 2048)  # the tl GEMV at 4M
     assert kw.prefer_gemv_mma(2, 4096, 4096) and kw.prefer_gemv_mma(8, 4096, 4096)
-    assert not kw.prefer_gemv_mma(8, 1024, 4096)
+    assert kw.prefer_gemv_mma(2, 1024, 4096) and kw.prefer_gemv_mma(8, 2048, 2048)  # M = 2..8 from 4M codes
+    assert not kw.prefer_gemv_mma(8, 1024, 2048)
     assert kw.prefer_gemv_mma(9, 28672, 4096) and kw.prefer_gemv_mma(16, 4096, 4096)
     assert kw.prefer_gemv_mma(16, 1024, 4096) and not kw.prefer_gemv_mma(16, 1024, 2048)
     assert not kw.prefer_gemv_mma(17, 28672, 4096)

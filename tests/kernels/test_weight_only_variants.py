@@ -549,6 +549,20 @@ def test_shipped_tiles_are_valid():
                 assert t["max_m"] <= 4
 
 
+def test_dequant_cublas_small_weights_rule():
+    """Small weights take dequantize + cuBLAS from the M their `cublas_small_weights` entry names (sm90 table):
+    up to 6.5M codes from M = 128, up to 9.5M from M = 512, nothing larger; other tables have no entry."""
+    sm90 = kw._DISPATCH["sm90"]
+    rule = kw.prefer_dequant_cublas_small
+    assert rule(128, 3072, 2048, sm90) and rule(2048, 2048, 2048, sm90)  # Llama-3.2-1B q|k|v and o
+    assert not rule(127, 3072, 2048, sm90) and not rule(64, 2048, 2048, sm90)  # decode sizes stay on the kernels
+    assert rule(512, 3072, 3072, sm90) and not rule(511, 3072, 3072, sm90)  # Llama-3.2-3B o: from M = 512
+    assert not rule(4096, 5120, 3072, sm90) and not rule(1024, 4096, 4096, sm90)  # 15M codes and up: the kernels
+    assert not rule(1 << 20, 1, 1, kw._DISPATCH["default"])
+    for min_m, max_codes in sm90["cublas_small_weights"]:
+        assert rule(min_m, 1, max_codes, sm90) and not rule(min_m, 1, max_codes + 1, sm90)  # inclusive bounds
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU (`pytest -m gpu tests/kernels/test_weight_only_variants.py` on the device): every variant compiled
 # for real, Llama-sized K, identity rows exact and random x within the bound above

@@ -60,7 +60,7 @@ Kernels:
   (`prefer_gemv_tma`), where it measured faster on the H100.
 - `gemv_mma` (Gluon, sm90, int4, M <= 16): the scale-after product on mma.sync, the packed words converted in
   registers straight into the A operand (two weights per LOP3 + HADD2); `weight_only_mm` runs it in the measured
-  M and N x K ranges of `GEMV_MMA_MIN_WEIGHTS` (M = 1..8 from 4096x4096 up, 9..16 from 4096x1024 up).
+  M and N x K ranges of `GEMV_MMA_MIN_WEIGHTS` (M = 1 from 6M codes up, 2..16 from 4M codes up).
 - `weight_only_wgmma` (Gluon, sm90, int4, prefill-sized M): the same w_hat into an asynchronous register-operand
   wgmma, so converting the next chunk overlaps the current chunk's product (the `tl` kernel waits for each
   chunk's product first); `weight_only_mm` runs it where `weight_only_wgmma.prefer` says (M = 129..1024, from
@@ -184,6 +184,13 @@ _DISPATCH = {
         # (tune_weight_only_wide.json); M = 512 63.3-567.9 vs 67.0-437.8, ahead on 2 of 5 shapes and by up to 1.28x
         # (8192x10240; tune_weight_only_wide2.json)
         "cublas_min_m": 512,
+        # (min M, max N x K codes): small weights whose dequantize + cuBLAS beats every kernel path from that M on,
+        # ahead of the Gluon kernels (their tiles and K splits are latency-bound there). H100, same-run A/B against
+        # the dispatch (benchmarks/probe_dequant_cublas.py, results/probe_dequant_cublas.json; W4A16 g128 and W8A16,
+        # float32 scales, Llama-3.2-1B / 3B shapes): 2048x2048 / 2048x3072 at M = 128..2048 1.12-1.45x (one loss:
+        # W8 2048x2048 M = 2048 0.96x); 3072x3072 at M = 512..2048 1.04-1.23x. Weights of 15M codes and up are
+        # mixed (3072x5120 1.07-1.26x at M >= 1024, 8192x2048 / 4096x4096 0.83-1.00x) and stay on the kernels.
+        "cublas_small_weights": ((128, 6_815_744), (512, 9_961_472)),  # 6.5M, 9.5M codes
         # the last program of a tile reduces the split-K partials up to this M (H100, CUDA graphs: Llama-3-8B
         # layer at batch 1, int4 linears 110 us vs 125 with the reduce kernel; at M = 16 that program's
         # serial read of splits x 16 rows made it slower, 137 us vs 122), the reduce kernel above it
@@ -204,6 +211,11 @@ _DISPATCH = {
 
 def _table(device: torch.device):
     return _DISPATCH[arch_key(device.type, device.index)]
+
+
+def prefer_dequant_cublas_small(m: int, n: int, k: int, table: dict) -> bool:
+    """Whether a small weight (`cublas_small_weights` of the dispatch table) takes dequantize + cuBLAS at this M."""
+    return any(m >= min_m and n * k <= max_codes for min_m, max_codes in table.get("cublas_small_weights", ()))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -1087,7 +1099,8 @@ def check_tile(tile: dict) -> None:
     if not pow2(chunks) or chunks > 8:
         raise ValueError(f"tile chunks: expected a power of two <= 8, got {chunks!r}")
     if tile.get("scale", "before") == "after" and kind == "mma" and chunks != 1:
-        raise ValueError(f"tile scale: 'after' on the mma kernel needs chunks=1 (one group per dot), got chunks={chunks}")
+        raise ValueError(f"tile scale: 'after' on the mma kernel needs chunks=1 (one group per dot), "
+                         f"got chunks={chunks}")
     if tile.get("wide", False) and (kind != "mma" or chunks != 1 or tile.get("scale", "before") == "after"):
         raise ValueError(f"tile wide: one product per chunk needs kernel 'mma', chunks=1 and the scale before the "
                          f"dot, got {tile!r}")
@@ -1208,12 +1221,16 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
     the Gluon int8 wgmma kernel where `weight_only_wgmma.prefer_w8` says so (int8 per channel, sm90, M = 256..2048),
     the Gluon decode kernels (`gemv_mma`: int4, M <= 16; `gemv_tma`: M = 1), the byte-view int8 decode kernel where
     `w8_decode.prefer` says so (per-channel int8, M = 2..32, sm90), or for M at least `cublas_min_m` dequantize once
-    and call cuBLAS (measured faster there; see bench_weight_only.py)."""
+    and call cuBLAS (measured faster there; see bench_weight_only.py), first of all for the small weights of
+    `cublas_small_weights` (`prefer_dequant_cublas_small`)."""
     m, k = x2d.shape
     # the shape rule first: decode calls skip the scope checks (descriptor strides, device capability)
     arch = arch_key(x2d.device.type, x2d.device.index)
     scale16 = scales.dtype == x2d.dtype
     sms = _num_sms(x2d.device) if x2d.is_cuda else 0
+    if x2d.is_cuda and prefer_dequant_cublas_small(m, n, k, _table(x2d.device)):
+        w_hat = dequantize(qweight, scales, zeros, bits, group_size, k, x2d.dtype)
+        return torch.nn.functional.linear(x2d, w_hat, bias)
     if sms and weight_only_ws.prefer(m, n, k, arch, sms) \
             and weight_only_ws.applies(x2d, qweight, scales, bits, group_size, zeros):
         return weight_only_ws.ws_w4_mm(x2d, qweight, scales, zeros, bias, group_size, n,
@@ -1246,8 +1263,11 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
 # (two n-tiles of the instruction; gemv_mma's second bucket, split-K reduced by the reduce kernel): 1.06-1.24x the
 # tl mma tile on all eight shapes from 4096x1024 up (results/tune_gemv_mma_m16.json, M = 9 / 12 / 16). With early
 # refill (gemv_mma's M <= 8 pick since results/tune_gemv_mma_early_refill.json) M = 1 also wins at 4096x4096 (7.2
-# us vs 7.9 for the tl GEMV) and 4096x6144 (9.7 vs 10.0), so M = 1 runs it from 4096x4096 up.
-GEMV_MMA_MIN_WEIGHTS = ((1, 16 << 20), (8, 8 << 20), (16, 4 << 20))  # (largest M, smallest N x K), by increasing M
+# us vs 7.9 for the tl GEMV) and 4096x6144 (9.7 vs 10.0). Smaller weights (Llama-3.2-1B / 3B shapes, the early-refill
+# pick against the dispatch without this kernel, same run: results/tune_gemv_mma_small_shapes.json): M = 1 wins from
+# 2048x3072 (6M codes: 5.70 vs 5.96 us; 3072x3072 6.48 vs 7.04, 3072x5120 7.15 vs 7.86) and loses at 4M (2048x2048
+# 4.85 vs 4.49, 4096x1024 5.80 vs 4.80); M = 4 / 8 win 1.13-1.57x from 4M (4096x1024 8.70 vs 10.23 us at M = 4).
+GEMV_MMA_MIN_WEIGHTS = ((1, 6 << 20), (16, 4 << 20))  # (largest M, smallest N x K), by increasing M
 
 
 def prefer_gemv_mma(m: int, n: int, k: int) -> bool:
