@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import quantfuse as qf  # noqa: E402
+from quantfuse.kernels._common import cap_splits  # noqa: E402
 from quantfuse.kernels import gemv_mma as gm  # noqa: E402
 from quantfuse.kernels import gemv_tma as gt  # noqa: E402
 from quantfuse.kernels import w8_decode as kwd  # noqa: E402
@@ -101,6 +102,15 @@ def clone_qw(qw: QuantizedWeight) -> QuantizedWeight:
                            c(qw.perm))
 
 
+def rotated_weights(bits: int, k: int, n: int):
+    """A random [N, K] weight quantized the probes' way (W4A16 g128 symmetric or W8A16 per channel, float32
+    scales): (its copies and the dequantized bf16 weight's copies, each list long enough to rotate past L2)."""
+    qw = qf.quantize_weight(torch.randn(n, k, device="cuda"), bits=bits, group_size=128 if bits == 4 else -1)
+    qw_sets = [qw] + [clone_qw(qw) for _ in range(common.rotation_count(qw_bytes(qw)) - 1)]
+    w_hat = qw.dequantize(BF16)
+    return qw_sets, [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
+
+
 def tinygemm_pack(qw: QuantizedWeight):
     """(packed weight, scales_and_zeros [K/128, N, 2] bf16) for _weight_int4pack_mm, or raise.
 
@@ -166,7 +176,8 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
         return f"gluon tma gemv {cfg.block_n}x{cfg.chunks}c"
     grid = -(-n // tile["block_n"]) * -(-m // tile["block_m"])
     chunks = -(-k // kw.chunk_codes(bits))
-    splits = max(1, min(chunks, tile["programs_per_sm"] * kw._num_sms(dev) // max(1, grid)))
+    splits = cap_splits(tile["programs_per_sm"] * kw._num_sms(dev) // max(1, grid), chunks,
+                        table.get("min_chunks_per_split", 1))
     per = -(-chunks // splits)
     splits = -(-chunks // per)
     # the WIDE kernel (one product per chunk): kernels/weight_only.py's rule at launch

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from bench_weight_only import clone_qw, path_of, qw_bytes  # noqa: E402
+from bench_weight_only import path_of, rotated_weights  # noqa: E402
 
 import quantfuse as qf  # noqa: E402
 from quantfuse.kernels import weight_only as kw  # noqa: E402
@@ -47,10 +47,8 @@ def main():
     start = time.time()
     for bits in bits_list:
         for k, n in kns:
-            qw = qf.quantize_weight(torch.randn(n, k, device="cuda"), bits=bits, group_size=128 if bits == 4 else -1)
-            qw_sets = [qw] + [clone_qw(qw) for _ in range(common.rotation_count(qw_bytes(qw)) - 1)]
-            w_hat = qw.dequantize(BF16)
-            w_sets = [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
+            qw_sets, w_sets = rotated_weights(bits, k, n)
+            qw = qw_sets[0]
             for m in ms:
                 xs = [torch.randn(m, k, device="cuda", dtype=BF16) for _ in range(max(len(qw_sets), len(w_sets)))]
                 err = common.mean_rel_diff(dq_cublas(xs[0], qw), qf.weight_only_mm(xs[0], qw).float())
@@ -67,7 +65,7 @@ def main():
                                  ours_vs_bf16=bf16_us / ours_us, dq_vs_bf16=bf16_us / dq_us, rel_diff=err))
                 common.print_row(rows[-1])
                 del xs
-            del qw_sets, w_sets, w_hat, qw
+            del qw_sets, w_sets, qw
             torch.cuda.empty_cache()
     columns = ["bits", "K", "N", "M", "weights_M", "path", "ours_us", "dq_cublas_us", "bf16_us", "dq_over_ours",
                "ours_vs_bf16", "dq_vs_bf16", "rel_diff"]

@@ -3,6 +3,8 @@ unrounded weights W = (u - z) * s (the scale after the sums), identity rows bit 
 masks (K not a multiple of the chunk or the step, N not a multiple of the block, M not a multiple of block_m), more
 than one block of M rows, padded rows, a NaN row, the dispatch band and bad configs."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -180,6 +182,13 @@ def test_shipped_configs_and_split_plan():
     # M blocks count as programs: 48 column blocks x 2 M blocks = 96 programs, one split per 132 SMs
     assert kwd.split_plan(6144, 4096, SM90_CFG, 132, m=17) == (16, 1, 16)
     assert kwd.split_plan(6144, 4096, SM90_CFG, 264, m=32) == (16, 2, 8)
+    # small weights: the SM target alone would give 2048 / 128 = 16 one-step splits at 2048x2048 (M = 17..32's
+    # 128-byte steps); the sm90 configs keep two steps per split, a forced count is left alone
+    wide = kwd.pick_config("sm90", 32)
+    assert wide.min_steps_per_split == 2 and SM90_CFG.min_steps_per_split == 2
+    assert kwd.split_plan(2048, 2048, wide, 132, m=32) == (16, 8, 2)
+    assert kwd.split_plan(2048, 2048, dataclasses.replace(wide, min_steps_per_split=1), 132, m=32) == (16, 16, 1)
+    assert kwd.split_plan(2048, 2048, wide, 132, splits=16, m=32) == (16, 16, 1)
 
 
 @pytest.mark.parametrize("cfg,match", [

@@ -563,6 +563,17 @@ def test_dequant_cublas_small_weights_rule():
         assert rule(min_m, 1, max_codes, sm90) and not rule(min_m, 1, max_codes + 1, sm90)  # inclusive bounds
 
 
+def test_automatic_splits_keep_two_chunks_on_sm90():
+    """The sm90 table's automatic K split leaves each split two chunks at least (`_common.cap_splits`); the
+    interpreter's table none (one-chunk splits keep the CPU tests' reductions)."""
+    from quantfuse.kernels._common import cap_splits
+
+    assert kw._DISPATCH["sm90"]["min_chunks_per_split"] == 2
+    assert "min_chunks_per_split" not in kw._DISPATCH["default"]
+    assert cap_splits(16, 16, 2) == 8 and cap_splits(16, 16, 1) == 16  # 2048x2048 at M = 32: 16 chunks
+    assert cap_splits(16, 64, 2) == 16 and cap_splits(0, 64, 2) == 1 and cap_splits(4, 1, 2) == 1
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU (`pytest -m gpu tests/kernels/test_weight_only_variants.py` on the device): every variant compiled
 # for real, Llama-sized K, identity rows exact and random x within the bound above

@@ -24,6 +24,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def cap_splits(splits: int, steps: int, min_steps_per_split: int) -> int:
+    """An automatic split-K count held to at least `min_steps_per_split` K steps per split (and >= 1): on small
+    weights the SM-count target alone gives one step per split, whose partials cost more than the split saves."""
+    return max(1, min(splits, steps // min_steps_per_split))
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n for host-side ints n >= 1 (0 for 0, as `triton.next_power_of_2`;
     see `cdiv`)."""

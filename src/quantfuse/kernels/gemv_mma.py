@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._common import INTERPRET, cdiv, launch_kernel, pdl_launch_options
+from ._common import INTERPRET, cap_splits, cdiv, launch_kernel, pdl_launch_options
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
 from .configs import arch_key, decode_pdl, split_k_reduce_pdl
 
@@ -52,6 +52,9 @@ if GLUON_AVAILABLE:
 CHUNK = 128  # int4 codes per chunk of 16 words
 WORDS_PER_CHUNK = 16
 MAX_M = 16
+# the automatic split count leaves each split at least this many chunks (H100, results/probe_small_splits.json:
+# 2048x2048 at M = 16, 16 one-chunk splits 7.3 us, 8 splits 5.9)
+MIN_CHUNKS_PER_SPLIT = 2
 
 
 def _convert_ptx(magic2: int, sub: str, mul: Optional[str] = None) -> str:
@@ -415,7 +418,7 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     grid_n = cdiv(n, cfg.block_n)
     total_chunks = cdiv(k, CHUNK)
     if splits is None:
-        splits = max(1, min(total_chunks, cfg.programs_per_sm * num_sms // grid_n))
+        splits = cap_splits(cfg.programs_per_sm * num_sms // grid_n, total_chunks, MIN_CHUNKS_PER_SPLIT)
     chunks_per_split = cdiv(total_chunks, splits)
     splits = cdiv(total_chunks, chunks_per_split)
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)

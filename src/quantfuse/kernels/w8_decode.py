@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cast_to, cdiv, grid_dependency_sync, launch_kernel
+from ._common import INTERPRET, cap_splits, cast_to, cdiv, grid_dependency_sync, launch_kernel
 from .configs import sm_count, split_k_reduce_pdl
 
 CHUNK_BYTES = 64  # codes of one 16-word chunk (the permutation's period)
@@ -72,13 +72,15 @@ class W8DecodeConfig:
     """block_n weight rows (output columns) per program; block_k codes (bytes) per K step, a multiple of 64;
     num_stages of the load pipeline; programs_per_sm sets the split-K target (column blocks x M blocks x splits ~
     programs_per_sm x SMs); block_m rows of x per program (M past it takes more program rows, each streaming the
-    weight again)."""
+    weight again); min_steps_per_split: the automatic split count leaves each split at least this many K steps
+    (`_common.cap_splits`)."""
     block_n: int = 128
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
     programs_per_sm: int = 1
     block_m: int = 16
+    min_steps_per_split: int = 1
 
 
 # Per architecture, the configs by increasing block_m (`pick_config`: the first that covers M; H100: the module doc's
@@ -88,7 +90,10 @@ class W8DecodeConfig:
 # and the M band where weight_only_mm prefers this kernel. "default" (other GPUs, the interpreter tests): a small
 # tile, not tuned.
 W8_DECODE_CONFIGS: Dict[str, Tuple[W8DecodeConfig, ...]] = {
-    "sm90": (W8DecodeConfig(), W8DecodeConfig(128, 128, 4, 3, 2, block_m=32)),
+    # two steps per split at least (H100, results/probe_small_splits.json: 2048x2048 at M = 32, 16 one-step splits
+    # 9.4 us, 8 splits 7.9)
+    "sm90": (W8DecodeConfig(min_steps_per_split=2),
+             W8DecodeConfig(128, 128, 4, 3, 2, block_m=32, min_steps_per_split=2)),
     "default": (W8DecodeConfig(32, 64, 4, 2, 2),),
 }
 W8_DECODE_DISPATCH: Dict[str, Dict[str, int]] = {"sm90": dict(min_m=2, max_m=32)}
@@ -234,7 +239,7 @@ def split_plan(n: int, k_pad: int, cfg: W8DecodeConfig, num_sms: int, splits: Op
     steps = cdiv(k_pad, cfg.block_k)
     if splits is None:
         blocks = cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m)
-        splits = max(1, min(steps, cfg.programs_per_sm * num_sms // blocks))
+        splits = cap_splits(cfg.programs_per_sm * num_sms // blocks, steps, cfg.min_steps_per_split)
     elif splits < 1:
         raise ValueError(f"splits: expected >= 1, got {splits}")
     per = cdiv(steps, min(splits, steps))

@@ -92,7 +92,8 @@ import triton
 import triton.language as tl
 
 from . import gemv_mma, gemv_tma, w8_decode, weight_only_wgmma, weight_only_ws
-from ._common import INTERPRET, cast_to, cdiv, grid_dependency_sync, launch_kernel, next_pow2, pdl_launch_options
+from ._common import (INTERPRET, cap_splits, cast_to, cdiv, grid_dependency_sync, launch_kernel, next_pow2,
+                      pdl_launch_options)
 from .configs import arch_key, decode_pdl, sm_count
 
 WORDS_PER_CHUNK = 16
@@ -191,6 +192,9 @@ _DISPATCH = {
         # W8 2048x2048 M = 2048 0.96x); 3072x3072 at M = 512..2048 1.04-1.23x. Weights of 15M codes and up are
         # mixed (3072x5120 1.07-1.26x at M >= 1024, 8192x2048 / 4096x4096 0.83-1.00x) and stay on the kernels.
         "cublas_small_weights": ((128, 6_815_744), (512, 9_961_472)),  # 6.5M, 9.5M codes
+        # the automatic K split leaves each split two chunks at least (results/probe_small_splits.json, H100:
+        # 2048x2048 at M = 32 / 64, 16 one-chunk splits 8.8 / 11.0 us, 8 splits 7.5 / 8.8)
+        "min_chunks_per_split": 2,
         # the last program of a tile reduces the split-K partials up to this M (H100, CUDA graphs: Llama-3-8B
         # layer at batch 1, int4 linears 110 us vs 125 with the reduce kernel; at M = 16 that program's
         # serial read of splits x 16 rows made it slower, 137 us vs 122), the reduce kernel above it
@@ -1172,7 +1176,8 @@ def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: i
     total_chunks = cdiv(k, chunk_codes(bits))
     if splits is None:
         target = tile["programs_per_sm"] * _num_sms(x2d.device)
-        splits = max(1, min(total_chunks, target // max(1, grid_n * grid_m)))
+        splits = cap_splits(target // max(1, grid_n * grid_m), total_chunks,
+                            _table(x2d.device).get("min_chunks_per_split", 1))
     chunks_per_split = cdiv(total_chunks, splits)
     splits = cdiv(total_chunks, chunks_per_split)
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
