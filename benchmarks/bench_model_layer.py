@@ -1,4 +1,4 @@
-"""A Llama-3-8B-shaped decoder layer (transformers' LlamaDecoderLayer, random weights) in bf16 vs each
+"""A Llama-3-8B-shaped (BENCH_MODEL: or Llama-3.2-1B / 3B) decoder layer (transformers' LlamaDecoderLayer, random weights) in bf16 vs each
 quantfuse scheme (issue 6): decode (batch 1 and 16, one new token per sequence, no KV cache) and prefill
 (2048 tokens), timed for the whole layer and for its seven linear layers alone.
 
@@ -20,7 +20,11 @@ from common import print_table, time_ms, write_result  # noqa: E402
 
 import quantfuse as qf  # noqa: E402
 
-HIDDEN, INTER, HEADS, KV_HEADS = 4096, 14336, 32, 8
+# BENCH_MODEL: the layer's shape (hidden, intermediate, heads, KV heads); results go to model_layer<BENCH_SUFFIX>.json
+MODELS = {"llama-3-8b": (4096, 14336, 32, 8), "llama-3.2-1b": (2048, 8192, 32, 8), "llama-3.2-3b": (3072, 8192, 24, 8)}
+MODEL = os.environ.get("BENCH_MODEL", "llama-3-8b")
+HIDDEN, INTER, HEADS, KV_HEADS = MODELS[MODEL]
+SUFFIX = os.environ.get("BENCH_SUFFIX", "")
 SCHEMES = {
     "int8_dynamic": lambda: qf.Int8DynamicConfig(),
     "int8_dynamic_unmerged": lambda: qf.Int8DynamicConfig(merge_projections=False),
@@ -116,7 +120,8 @@ def main():
                              if lin_t == lin_t else float("nan")))
             print(rows[-1], flush=True)
     print_table(rows)
-    write_result("model_layer", "Llama-3-8B decoder layer: bf16 vs quantfuse schemes (H100)", rows,
+    title = {"llama-3-8b": "Llama-3-8B", "llama-3.2-1b": "Llama-3.2-1B", "llama-3.2-3b": "Llama-3.2-3B"}[MODEL]
+    write_result("model_layer" + SUFFIX, f"{title} decoder layer: bf16 vs quantfuse schemes (H100)", rows,
                  notes="Decode: batch b, one token per sequence, no KV cache, CUDA graphs. Prefill: 2048 tokens, "
                        "eager and under a CUDA graph. linears = the seven projections alone (n/a where the gated MLP is fused: "
                        "fp8_block, int8_dynamic, fp8_dynamic; the *_unfused rows run the same scheme layer by layer). "
