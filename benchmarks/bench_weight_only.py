@@ -136,6 +136,11 @@ def tinygemm_pack(qw: QuantizedWeight):
     return w_packed, sz
 
 
+def _wgmma_label(cfg, splits, tail) -> str:
+    return (f"gluon wgmma {cfg.block_m}x{cfg.block_n} splitK={splits}"
+            + ("" if tail is None else f" tail {tail.main_tiles_n}+{tail.splits}way"))
+
+
 def path_of(m: int, k: int, n: int, bits: int) -> str:
     """The dispatch weight_only_mm takes (mirrors kernels/weight_only.py)."""
     dev = torch.device("cuda")
@@ -147,16 +152,12 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
         tail = wws.tail_plan(m, n, k, "sm90", kw._num_sms(dev))  # what ws_w4_mm runs
         return "gluon ws 256x128" + ("" if tail is None else f" tail {tail[1].main_tiles_n}+{tail[1].splits}way")
     if bits == 4 and sm90_gluon and ww.prefer(m, n, k, "sm90", SCALE_DTYPE == BF16):  # group 128: applies
-        cfg, splits, tail = ww.plan(m, n, k, "sm90", kw._num_sms(dev))  # what wgmma_w4_mm runs
-        return (f"gluon wgmma {cfg.block_m}x{cfg.block_n} splitK={splits}"
-                + ("" if tail is None else f" tail {tail.main_tiles_n}+{tail.splits}way"))
+        return _wgmma_label(*ww.plan(m, n, k, "sm90", kw._num_sms(dev)))  # what wgmma_w4_mm runs
     small = ww.small_m_config(m, n, k, "sm90", kw._num_sms(dev), SCALE_DTYPE == BF16) if bits == 4 and sm90_gluon \
         else None
     if small is not None:  # 16-bit scales at M = 32 / 64 / 128: what wgmma_w4_mm runs with that config
-        splits = ww.splits_for(m, n, k, small, kw._num_sms(dev))
-        tail = ww.tail_split_for(m, n, k, small, kw._num_sms(dev))
-        return (f"gluon wgmma {small.block_m}x{small.block_n} splitK={splits}"
-                + ("" if tail is None else f" tail {tail.main_tiles_n}+{tail.splits}way"))
+        return _wgmma_label(small, ww.splits_for(m, n, k, small, kw._num_sms(dev)),
+                            ww.tail_split_for(m, n, k, small, kw._num_sms(dev)))
     if bits == 8 and sm90_gluon and ww.prefer_w8(m, "sm90"):  # per channel here: applies
         cfg = ww.WGMMA_W8_CONFIGS["sm90"]
         return f"gluon wgmma w8 {cfg.block_m}x{cfg.block_n} splitK={ww.w8_splits(m, n, k, cfg, kw._num_sms(dev))}"

@@ -1220,6 +1220,11 @@ def runs_wide(tile: dict, scale_code: int) -> bool:
             and scale_code == 0)
 
 
+def _dequantize_linear(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, k: int) -> torch.Tensor:
+    """w_hat once in x's dtype, then cuBLAS (F.linear)."""
+    return torch.nn.functional.linear(x2d, dequantize(qweight, scales, zeros, bits, group_size, k, x2d.dtype), bias)
+
+
 def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int) -> torch.Tensor:
     """Dispatch by M: the fused kernel (split-K for decode, tiled for larger M), the Gluon warp-specialized or
     wgmma kernel where `weight_only_ws.prefer` / `weight_only_wgmma.prefer` say so (int4, sm90, prefill-sized M),
@@ -1233,9 +1238,8 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
     arch = arch_key(x2d.device.type, x2d.device.index)
     scale16 = scales.dtype == x2d.dtype
     sms = _num_sms(x2d.device) if x2d.is_cuda else 0
-    if x2d.is_cuda and prefer_dequant_cublas_small(m, n, k, _table(x2d.device)):
-        w_hat = dequantize(qweight, scales, zeros, bits, group_size, k, x2d.dtype)
-        return torch.nn.functional.linear(x2d, w_hat, bias)
+    if prefer_dequant_cublas_small(m, n, k, _DISPATCH[arch]):  # CPU / other GPUs: no entry in their table
+        return _dequantize_linear(x2d, qweight, scales, zeros, bias, bits, group_size, k)
     if sms and weight_only_ws.prefer(m, n, k, arch, sms) \
             and weight_only_ws.applies(x2d, qweight, scales, bits, group_size, zeros):
         return weight_only_ws.ws_w4_mm(x2d, qweight, scales, zeros, bias, group_size, n,
@@ -1249,8 +1253,7 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
     if weight_only_wgmma.prefer_w8(m, arch) and weight_only_wgmma.applies_w8(x2d, qweight, scales, bits):
         return weight_only_wgmma.wgmma_w8_mm(x2d, qweight, scales, zeros, bias, n)
     if x2d.is_cuda and m >= _table(x2d.device)["cublas_min_m"]:
-        w_hat = dequantize(qweight, scales, zeros, bits, group_size, k, x2d.dtype)
-        return torch.nn.functional.linear(x2d, w_hat, bias)
+        return _dequantize_linear(x2d, qweight, scales, zeros, bias, bits, group_size, k)
     if gemv_mma.applies(x2d, qweight, scales, bits, group_size, k) and prefer_gemv_mma(m, n, k):
         return gemv_mma_mm(x2d, qweight, scales, zeros, bias, group_size, n)
     if w8_decode.prefer(m, arch) and w8_decode.applies(x2d, qweight, scales, bits):
