@@ -4,6 +4,9 @@ Rows (every time is a CUDA-graph replay median with inputs rotated past L2, see 
 - int8: ours (per-token x per-channel + bias, bf16 out) vs torch._int_mm + the epilogue in torch
   (in-place float ops) and vs bf16 F.linear with bias.
 - fp8: ours (same epilogue) vs torch._scaled_mm (rowwise scales, bf16 bias).
+  Ours and these two torch peers alternate in BENCH_ROUNDS rounds (default 3): medians, and each round's ratio's
+  range (*_min / *_max). One timing of the same kernel moves by up to ~10% on this machine between calls (the
+  GPU's clocks under a sustained INT8 load), so a single back-to-back pair can misstate the ratio.
 - azp: ours with the per-token zero-point epilogue vs ours symmetric at the same shape, timed in alternation
   (AZP_ROUNDS each, medians): a single back-to-back pair read 5-7% apart on shapes where earlier runs read 1-4%.
 - blockwise: our 1x128 / 128x128 block-scaled fp8 vs our rowwise fp8 and vs torch._scaled_mm blockwise
@@ -37,6 +40,7 @@ LLAMA_KN = common.shapes_from_env(LLAMA_KN)  # BENCH_KN: other shapes, written t
 SUFFIX = os.environ.get("BENCH_SUFFIX", "")
 QUICK = os.environ.get("BENCH_QUICK", "0") == "1"
 AZP_ROUNDS = 3
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 
 
 def _q(shape, dtype):
@@ -111,6 +115,25 @@ def block_sets(fp8_sets, k, n):
     return out
 
 
+def alternated(row, ours_key, ours_fn, peer_key, peer_fn, ratio_key, sets):
+    """Ours and the peer (None: ours alone) timed in ROUNDS alternated rounds: the medians into row[ours_key] /
+    row[peer_key], their ratio into row[ratio_key] and the range of the per-round ratios into ratio_key_min / _max.
+    Returns (ours ms, peer ms or None)."""
+    ours_runs, peer_runs = [], []
+    for _ in range(ROUNDS if peer_fn is not None else 1):
+        ours_runs.append(t(ours_fn, sets))
+        if peer_fn is not None:
+            peer_runs.append(t(peer_fn, sets))
+    row[ours_key] = ours_ms = statistics.median(ours_runs)
+    if peer_fn is None:
+        return ours_ms, None
+    row[peer_key] = peer_ms = statistics.median(peer_runs)
+    row[ratio_key] = peer_ms / ours_ms
+    ratios = [p / o for o, p in zip(ours_runs, peer_runs)]
+    row[ratio_key + "_min"], row[ratio_key + "_max"] = min(ratios), max(ratios)
+    return ours_ms, peer_ms
+
+
 def main():
     torch.manual_seed(0)
     info = common.env_info()
@@ -129,16 +152,14 @@ def main():
         row = {"M": m, "K": k, "N": n}
         # int8: ours vs torch._int_mm + torch epilogue vs bf16 F.linear
         sets = make_sets(m, k, n, INT8)
-        row["int8_ms"] = ours_ms = t(ours, sets)
+        peer = torch_int_mm_unfused if m > 16 and k % 8 == 0 and n % 8 == 0 else None
+        ours_ms, _ = alternated(row, "int8_ms", ours, "int_mm_epi_ms", peer, "x_vs_int_mm_epi", sets)
         row["int8_TOPS"] = tops(m, k, n, ours_ms)
         row["int8_frac_peak"] = row["int8_TOPS"] / PEAK_TOPS
         row["int8_weight_GBs_frac_copy"] = (k * n / (ours_ms * 1e-3) / 1e9) / bw
-        if m > 16 and k % 8 == 0 and n % 8 == 0:
-            row["int_mm_epi_ms"] = t(torch_int_mm_unfused, sets)
-            row["x_vs_int_mm_epi"] = row["int_mm_epi_ms"] / ours_ms
-            if (m, k, n) == (8192, 8192, 8192):
-                row["int_mm_alone_ms"] = t(torch_int_mm_alone, sets)
-                row["int_mm_alone_TOPS"] = tops(m, k, n, row["int_mm_alone_ms"])
+        if (m, k, n) == (8192, 8192, 8192):
+            row["int_mm_alone_ms"] = t(torch_int_mm_alone, sets)
+            row["int_mm_alone_TOPS"] = tops(m, k, n, row["int_mm_alone_ms"])
         # zero-point epilogue overhead (per-token azp + bias) vs symmetric + bias
         azp_sets = [(a, b, sa, sb, bias, qf.azp_adjustment(b),
                      torch.randint(-100, 100, (m, 1), dtype=torch.int32, device="cuda"))
@@ -161,14 +182,15 @@ def main():
         del lin_sets
         # fp8: ours vs torch._scaled_mm rowwise + bias
         sets = make_sets(m, k, n, FP8)
-        row["fp8_ms"] = fp8_ms = t(ours, sets)
+        try:
+            fp8_ms, _ = alternated(row, "fp8_ms", ours, "scaled_mm_ms", torch_scaled_mm_rowwise, "x_vs_scaled_mm",
+                                   sets)
+        except Exception as e:  # noqa: BLE001 - torch refused: ours alone
+            torch.cuda.synchronize()
+            row["fp8_ms"] = fp8_ms = t(ours, sets)
+            row["scaled_mm_ms"] = f"error: {type(e).__name__}"
         row["fp8_TOPS"] = tops(m, k, n, fp8_ms)
         row["fp8_frac_peak"] = row["fp8_TOPS"] / PEAK_TOPS
-        try:
-            row["scaled_mm_ms"] = t(torch_scaled_mm_rowwise, sets)
-            row["x_vs_scaled_mm"] = row["scaled_mm_ms"] / fp8_ms
-        except Exception as e:  # noqa: BLE001
-            row["scaled_mm_ms"] = f"error: {type(e).__name__}"
         # blockwise fp8 vs our rowwise fp8 and torch blockwise
         bsets = block_sets(sets, k, n)
         row["blockwise_ms"] = t(ours_blockwise, bsets)
@@ -196,13 +218,16 @@ def main():
               f"{fmt('x_vs_torch_blockwise')}x torch blockwise", flush=True)
 
     columns = ["M", "K", "N", "int8_ms", "int8_TOPS", "int8_frac_peak", "int_mm_epi_ms", "x_vs_int_mm_epi",
+               "x_vs_int_mm_epi_min", "x_vs_int_mm_epi_max",
                "bf16_linear_ms", "x_vs_bf16_linear", "azp_ms", "azp_sym_ms", "azp_overhead", "fp8_ms", "fp8_TOPS",
                "fp8_frac_peak",
-               "scaled_mm_ms", "x_vs_scaled_mm", "blockwise_ms", "blockwise_vs_rowwise", "torch_blockwise_ms",
+               "scaled_mm_ms", "x_vs_scaled_mm", "x_vs_scaled_mm_min", "x_vs_scaled_mm_max", "blockwise_ms",
+               "blockwise_vs_rowwise", "torch_blockwise_ms",
                "x_vs_torch_blockwise", "int8_weight_GBs_frac_copy", "int_mm_alone_ms", "int_mm_alone_TOPS"]
     tuned = {str(k): str(v) for k, v in kmm._tuned.items()}
     notes = (f"copy bandwidth {bw:.0f} GB/s, bf16 matmul {bf16_peak:.0f} TFLOPS measured; peak INT8/FP8 dense "
-             f"{PEAK_TOPS} TOPS. "
+             f"{PEAK_TOPS} TOPS. int8 vs int_mm+epi and fp8 vs scaled_mm: medians of {ROUNDS} alternated rounds, "
+             "*_min / *_max the range of the per-round ratios. "
              f"azp_overhead: median of {AZP_ROUNDS} zero-point timings over the median of the symmetric ones, timed in "
              "alternation (azp_sym_ms). "
              f"torch._scaled_mm blockwise (1x128 x 128x128, no bias: ours adds it) ran on "
