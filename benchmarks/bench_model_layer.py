@@ -1,6 +1,6 @@
-"""A Llama-3-8B-shaped (BENCH_MODEL: or Llama-3.2-1B / 3B) decoder layer (transformers' LlamaDecoderLayer, random weights) in bf16 vs each
-quantfuse scheme (issue 6): decode (batch 1 and 16, one new token per sequence, no KV cache) and prefill
-(2048 tokens), timed for the whole layer and for its seven linear layers alone.
+"""A Llama-3-8B-shaped (BENCH_MODEL: or Llama-3.2-1B / 3B) decoder layer (transformers' LlamaDecoderLayer,
+random weights) in bf16 vs each quantfuse scheme (issue 6): decode (batch 1 and 16, one new token per sequence,
+no KV cache) and prefill (2048 tokens), timed for the whole layer and for its seven linear layers alone.
 
 Peers in the same run: the bf16 layer (F.linear through cuBLAS). CUDA graphs for the decode shapes
 (launch overhead excluded, as in a graph-captured engine); prefill eager and graphed. Layer weights (~436 MB in
@@ -20,10 +20,12 @@ from common import print_table, time_ms, write_result  # noqa: E402
 
 import quantfuse as qf  # noqa: E402
 
-# BENCH_MODEL: the layer's shape (hidden, intermediate, heads, KV heads); results go to model_layer<BENCH_SUFFIX>.json
-MODELS = {"llama-3-8b": (4096, 14336, 32, 8), "llama-3.2-1b": (2048, 8192, 32, 8), "llama-3.2-3b": (3072, 8192, 24, 8)}
+# BENCH_MODEL: the layer (its name, then hidden, intermediate, heads, KV heads); results go to
+# model_layer<BENCH_SUFFIX>.json
+MODELS = {"llama-3-8b": ("Llama-3-8B", 4096, 14336, 32, 8), "llama-3.2-1b": ("Llama-3.2-1B", 2048, 8192, 32, 8),
+          "llama-3.2-3b": ("Llama-3.2-3B", 3072, 8192, 24, 8)}
 MODEL = os.environ.get("BENCH_MODEL", "llama-3-8b")
-HIDDEN, INTER, HEADS, KV_HEADS = MODELS[MODEL]
+MODEL_NAME, HIDDEN, INTER, HEADS, KV_HEADS = MODELS[MODEL]
 SUFFIX = os.environ.get("BENCH_SUFFIX", "")
 SCHEMES = {
     "int8_dynamic": lambda: qf.Int8DynamicConfig(),
@@ -120,16 +122,17 @@ def main():
                              if lin_t == lin_t else float("nan")))
             print(rows[-1], flush=True)
     print_table(rows)
-    title = {"llama-3-8b": "Llama-3-8B", "llama-3.2-1b": "Llama-3.2-1B", "llama-3.2-3b": "Llama-3.2-3B"}[MODEL]
-    write_result("model_layer" + SUFFIX, f"{title} decoder layer: bf16 vs quantfuse schemes (H100)", rows,
+    write_result("model_layer" + SUFFIX, f"{MODEL_NAME} decoder layer: bf16 vs quantfuse schemes (H100)", rows,
                  notes="Decode: batch b, one token per sequence, no KV cache, CUDA graphs. Prefill: 2048 tokens, "
-                       "eager and under a CUDA graph. linears = the seven projections alone (n/a where the gated MLP is fused: "
-                       "fp8_block, int8_dynamic, fp8_dynamic; the *_unfused rows run the same scheme layer by layer). "
+                       "eager and under a CUDA graph. linears = the seven projections alone (n/a where the gated "
+                       "MLP is fused: fp8_block, int8_dynamic, fp8_dynamic; the *_unfused rows run the same scheme "
+                       "layer by layer). "
                        "Weight-only schemes merge q|k|v and gate|up into one GEMM each, int8/fp8_dynamic q|k|v "
                        "(MergedProjections; the linears are called as the layer calls them, q/k/v and gate/up on "
-                       "one tensor); *_unmerged: one GEMM per projection. bf16_merged_linears: the bf16 weights stacked the same way (4 F.linear), "
-                       "linears only; speedups are against the bf16 layer as transformers runs it. Eager prefill rows are "
-                       "host-bound and depend on the machine's CPU (graphed rows: the GPU time).")
+                       "one tensor); *_unmerged: one GEMM per projection. bf16_merged_linears: the bf16 weights "
+                       "stacked the same way (4 F.linear), linears only; speedups are against the bf16 layer as "
+                       "transformers runs it. Eager prefill rows are host-bound and depend on the machine's CPU "
+                       "(graphed rows: the GPU time).")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import torch
 L2_ROTATE_BYTES = 256 * 1024 * 1024  # rotate through at least this many bytes of inputs
 
 
-
 # Llama-3.2-1B and -3B linear shapes (K, N): q|k|v, o, gate|up, down of each
 SMALL_MODEL_KN = [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048),
                   (3072, 5120), (3072, 3072), (3072, 16384), (8192, 3072)]
@@ -45,6 +44,7 @@ def shapes_title(kn) -> str:
     if not spec:
         return ""
     return ", Llama-3.2-1B / 3B shapes" if spec == "small" else f", shapes {list(kn)}"
+
 
 def env_info() -> Dict[str, object]:
     import triton

@@ -1236,9 +1236,10 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
     m, k = x2d.shape
     # the shape rule first: decode calls skip the scope checks (descriptor strides, device capability)
     arch = arch_key(x2d.device.type, x2d.device.index)
+    table = _DISPATCH[arch]
     scale16 = scales.dtype == x2d.dtype
     sms = _num_sms(x2d.device) if x2d.is_cuda else 0
-    if prefer_dequant_cublas_small(m, n, k, _DISPATCH[arch]):  # CPU / other GPUs: no entry in their table
+    if prefer_dequant_cublas_small(m, n, k, table):  # CPU / other GPUs: no entry in their table
         return _dequantize_linear(x2d, qweight, scales, zeros, bias, bits, group_size, k)
     if sms and weight_only_ws.prefer(m, n, k, arch, sms) \
             and weight_only_ws.applies(x2d, qweight, scales, bits, group_size, zeros):
@@ -1252,7 +1253,7 @@ def weight_only_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int
         return weight_only_wgmma.wgmma_w4_mm(x2d, qweight, scales, zeros, bias, group_size, n, config=small)
     if weight_only_wgmma.prefer_w8(m, arch) and weight_only_wgmma.applies_w8(x2d, qweight, scales, bits):
         return weight_only_wgmma.wgmma_w8_mm(x2d, qweight, scales, zeros, bias, n)
-    if x2d.is_cuda and m >= _table(x2d.device)["cublas_min_m"]:
+    if x2d.is_cuda and m >= table["cublas_min_m"]:
         return _dequantize_linear(x2d, qweight, scales, zeros, bias, bits, group_size, k)
     if gemv_mma.applies(x2d, qweight, scales, bits, group_size, k) and prefer_gemv_mma(m, n, k):
         return gemv_mma_mm(x2d, qweight, scales, zeros, bias, group_size, n)
