@@ -165,8 +165,9 @@ def path_of(m: int, k: int, n: int, bits: int) -> str:
         return "dequant+cublas"
     tile = kw.pick_tile(m, dev, bits, SCALE_DTYPE.itemsize)
     if bits == 4 and sm90_gluon and m <= gm.MAX_M and kw.prefer_gemv_mma(m, n, k):  # group 128 here: applies
-        cfg = gm.pick_config(m, dev)
-        return f"gluon mma decode {cfg.block_n}w{cfg.num_warps}" + ("" if cfg.fused_reduce else " +reduce")
+        cfg = gm.pick_config(m, dev, n * k)
+        return (f"gluon mma decode {cfg.block_n}w{cfg.num_warps}" + ("" if cfg.fused_reduce else " +reduce")
+                + (" x-ring" if cfg.x_group else ""))
     if bits == 8 and kwd.prefer(m, kw.arch_key(dev.type, dev.index)):  # per channel here: applies
         cfg = kwd.pick_config(kw.arch_key(dev.type, dev.index), m)
         _, splits, _ = kwd.split_plan(n, -(-k // 64) * 64, cfg, kw._num_sms(dev), m=m)  # K_pad: whole 64-code chunks

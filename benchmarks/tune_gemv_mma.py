@@ -9,7 +9,7 @@ config says). Each config's output is first compared with x @ W.T in float32 for
 (mean |delta| / mean |ref|; the shipped path's error is reported too); a config over 3e-3 (a bf16 output rounding
 is ~1e-3) is reported and not timed.
 W4A16 g128 symmetric, float32 scales, bf16 x. Env: TUNE_CONFIGS ("block_n,warps,programs_per_sm[,fused_reduce
-0/1[,early_refill 0/1]];...", default: the candidates of M's bucket), TUNE_KN ("K:N,..."), TUNE_M ("1,16"),
+0/1[,early_refill 0/1[,x_group]]];...", default: the candidates of M's bucket), TUNE_KN ("K:N,..."), TUNE_M ("1,16"),
 TUNE_OUT_NAME (default tune_gemv_mma).
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_gemv_mma.py
 """
@@ -44,7 +44,7 @@ def _configs(m: int):
 
 def _short(c) -> str:
     return (f"{c.block_n} w{c.num_warps} p{c.programs_per_sm}" + ("" if c.fused_reduce else " reduce-kernel")
-            + (" early" if c.early_refill else ""))
+            + (" early" if c.early_refill else "") + (f" xs{c.x_group}" if c.x_group else ""))
 
 
 def main():

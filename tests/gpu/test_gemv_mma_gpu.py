@@ -76,6 +76,24 @@ def test_forced_splits_agree(m, fused, early):
         _check_bound(_run(x, qw, bias, cfg=cfg, splits=3, fused=fused), x, qw, bias, "repeat")
 
 
+@pytest.mark.parametrize("x_group", [2, 4])
+@pytest.mark.parametrize("m", [1, 8, 9, 16])
+def test_x_ring_splits_and_row_strides(m, x_group):
+    """x through the shared-memory ring (MmaDecodeConfig.x_group): splits whose chunk counts end inside a group and
+    on its last chunk (58 chunks, a partial last one: 58, 20 + 20 + 18, 9 x 6 + 4, 1 each), rows padded to a
+    16-byte aligned stride (the copy engine reads them) and to an unaligned one (the register path runs)."""
+    k, n = 7392, 257
+    qw = qf.quantize_weight(_weight(n, k), bits=4, group_size=128, symmetric=False)
+    bias = torch.randn(n, device=DEV).to(BF16)
+    cfg = gm.MmaDecodeConfig(128, 8 if m <= 8 else 4, 2, m <= 8, True, x_group=x_group)
+    x = torch.randn(m, k, device=DEV).to(BF16)
+    for splits in (1, 3, 7, -(-k // gm.CHUNK)):
+        _check_bound(_run(x, qw, bias, cfg=cfg, splits=splits), x, qw, bias, f"splits={splits}-M{m}")
+    for pad in (8, 4):  # row strides of 14800 bytes (describable) and 14792 bytes (not)
+        xp = torch.randn(m, k + pad, device=DEV).to(BF16)[:, :k]
+        _check_bound(_run(xp, qw, bias, cfg=cfg), xp, qw, bias, f"row stride {k + pad}-M{m}")
+
+
 @pytest.mark.parametrize("group,sym", [(128, True), (256, False), (-1, False)])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 def test_identity_rows_equal_w_hat(group, sym, dtype):

@@ -17,9 +17,23 @@ def test_shipped_configs_are_valid_and_bad_ones_refused():
     for cfg in gm.all_configs("sm90"):
         gm.check_config(cfg)
     for bad in (gm.MmaDecodeConfig(96, 4, 4), gm.MmaDecodeConfig(32, 4, 4), gm.MmaDecodeConfig(128, 3, 4),
-                gm.MmaDecodeConfig(128, 4, 0)):
+                gm.MmaDecodeConfig(128, 4, 0), gm.MmaDecodeConfig(128, 4, 2, x_group=3),
+                gm.MmaDecodeConfig(128, 4, 2, x_group=-2)):
         with pytest.raises(ValueError, match="config"):
             gm.check_config(bad)
+
+
+def test_x_ring_pick_from_8m_codes_at_two_tiles_only():
+    """M = 9..16 takes x through the shared-memory ring from X_RING_MIN_WEIGHTS codes, the register pick below;
+    M <= 8 never does (results/tune_gemv_mma_x_ring.json)."""
+    cpu = torch.device("cpu")
+    for m in (9, 16):
+        assert gm.pick_config(m, cpu, 4096 * 4096, "sm90").x_group == 2
+        assert gm.pick_config(m, cpu, 3072 * 3072, "sm90").x_group == 2  # 9.4M codes
+        reg = gm.pick_config(m, cpu, 2048 * 3072, "sm90")
+        assert reg.x_group == 0 and not reg.early_refill and reg == gm.MmaDecodeConfig(128, 4, 2, False)
+    for m in (1, 8):
+        assert gm.pick_config(m, cpu, 28672 * 4096, "sm90") == gm.MmaDecodeConfig(128, 8, 2, early_refill=True)
 
 
 def test_never_applies_on_cpu_tensors_or_outside_its_scope():
@@ -49,9 +63,14 @@ def _compile_sm90(dtype="bf16", per_channel=False, has_zero=False, mp=8, cfg=Non
     cfg = cfg or gm.all_configs("sm90")[0]
     consts = dict(HAS_ZERO=has_zero, HAS_BIAS=True, SPLIT=True, FUSED_REDUCE=True, PER_CHANNEL=per_channel,
                   EVEN_K=True, BLOCK_N=cfg.block_n, MP=mp, num_warps=cfg.num_warps, SIGNAL=signal,
-                  EARLY_REFILL=int(cfg.early_refill))
+                  EARLY_REFILL=int(cfg.early_refill), GROUP_X=cfg.x_group)
     types = dict(x_ptr="*" + dtype, w_ptr="*i32", s_ptr="*fp32", z_ptr="*i32", bias_ptr="*" + dtype,
                  out_ptr="*" + dtype, part_ptr="*fp32", count_ptr="*i32")
+    if cfg.x_group:  # the launcher's descriptor over x in [MP, 64] boxes
+        from quantfuse.kernels._gluon import operand_descriptor
+
+        tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
+        types["x_desc"] = operand_descriptor(torch.empty(mp, 4096, dtype=tdt), [mp, gm.CHUNK // 2])
     return gluon_sm90_build(gm._wo_mma_decode_kernel, types, consts,
                             lambda a, _: a.endswith("_ptr") or a in ("N", "K", "stride_xm", "stride_wn", "stride_om"),
                             num_warps=cfg.num_warps)
@@ -90,4 +109,18 @@ def test_sm90_early_refill_build_holds_a_third_buffer_without_spills(tmp_path):
     regs_late = int(re.search(r"REG:(\d+)", usage_late).group(1))
     assert regs > regs_late, (regs, regs_late)
     assert re.search(r"\bLDG\.E\.128\b", sass)
+    assert not re.search(r"\b(STL|LDL)\b", sass), "register spills"
+
+
+@pytest.mark.skipif(not gm.GLUON_AVAILABLE, reason="this Triton has no Gluon")
+def test_sm90_x_ring_build_reads_x_from_shared_memory(tmp_path):
+    """The M = 9..16 pick (x through the shared-memory ring, early refill): x comes by the copy engine and is read
+    with 8-byte shared loads (no 8-byte global loads of x), the words still 16 bytes at a time, and early refill
+    fits beside it without spills."""
+    cfg = "gm.MmaDecodeConfig(128, 4, 2, False, True, x_group=2)"
+    sass, _ = sm90_sass(tmp_path, "tests.kernels.test_gemv_mma", f"_compile_sm90('bf16', False, False, 16, {cfg})")
+    assert re.search(r"\bUTMALDG\.2D\b", sass), "x should come through the copy engine"
+    assert re.search(r"\bLDS\.64\b", sass) and not re.search(r"\bLDG\.E\.64\b", sass)
+    assert re.search(r"\bLDG\.E\.128\b", sass)
+    assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass)) >= 32
     assert not re.search(r"\b(STL|LDL)\b", sass), "register spills"

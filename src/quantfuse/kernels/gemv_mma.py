@@ -27,6 +27,14 @@ Pipelining: two register buffers (words, x, scale, zero point of one chunk each)
 they never move: a buffer is refilled as soon as its chunk is converted, so the other chunk's loads are in flight
 during every conversion. H100 measurements: weight_only.GEMV_MMA_MIN_WEIGHTS, results/tune_gemv_mma.json.
 
+x through shared memory (`MmaDecodeConfig.x_group`; the M = 9..16 pick from 8M codes): at two n-tiles of the
+instruction a chunk's x is 32 registers per thread, and double-buffering it left no room for early refill. There
+the copy engine brings each chunk's x as two [MP, 64] boxes (128-byte swizzle: the eight rows of x that a warp's
+lanes read at once fall in different banks) into a ring of 2 x x_group slots with an mbarrier each; a product
+waits on its slot and reads its x from shared memory right before the mma, and after every x_group chunks a CTA
+barrier (every warp is done with them) precedes the refill of their slots with the chunks two groups on. Rows past
+M and codes past K arrive as zeros. x whose row stride a descriptor cannot take runs the register buffers.
+
 Split-K: as `gemv_tma` (float32 partials [splits, M, N]; the last program of a row block adds them in split
 order with the bias, or `weight_only._splitk_reduce_kernel` without a counter slot).
 
@@ -41,13 +49,14 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._common import INTERPRET, cap_splits, cdiv, launch_kernel, pdl_launch_options
+from ._common import INTERPRET, cap_splits, cdiv, describable, launch_kernel, pdl_launch_options
 from ._gluon import GLUON_AVAILABLE, sm90_exactly
 from .configs import arch_key, decode_pdl, split_k_reduce_pdl
 
 if GLUON_AVAILABLE:
     from ._gluon import cta_barrier as _cta_barrier
-    from ._gluon import gl, gluon, grid_dependency_sync, mma_v2, signal_dependents
+    from ._gluon import gl, gluon, grid_dependency_sync, mbarrier, mma_v2, operand_descriptor, signal_dependents
+    from ._gluon import tma_load as _tma_load
 
 CHUNK = 128  # int4 codes per chunk of 16 words
 WORDS_PER_CHUNK = 16
@@ -89,12 +98,15 @@ class MmaDecodeConfig:
     programs_per_sm sets the split-K target (row blocks x splits ~ programs_per_sm x SMs); fused_reduce: the
     last split of a row block adds the partials (with a counter slot), else `weight_only.splitk_reduce` does;
     early_refill: each register buffer's next chunk is loaded before its chunk is converted (three buffers' worth
-    of registers, two chunks in flight under each conversion)."""
+    of registers, two chunks in flight under each conversion); x_group (M = 9..16 only; 0: off): x comes from a
+    shared-memory ring of 2 x x_group chunks that the copy engine fills, x_group chunks at a time behind one CTA
+    barrier, read right before each product instead of held in a register buffer per chunk in flight."""
     block_n: int
     num_warps: int
     programs_per_sm: int
     fused_reduce: bool = True
     early_refill: bool = False
+    x_group: int = 0
 
 
 # Per architecture, (largest M, candidates) by increasing M: the first candidate of M's bucket runs, the rest
@@ -115,13 +127,28 @@ class MmaDecodeConfig:
 # 16.7 vs 18.2, 8192x10240 22.7 vs 24.2. Why: a read-only kernel with this kernel's access pattern (8 rows x 64
 # bytes per warp load, float32 scales) streamed 4096x28672's bytes in 27.4 us against 30.6 for the kernel
 # (results/tune_gemv_mma_pattern_read.json): the loads waited on the conversion.
+# x through the shared-memory ring at M <= 8 (where x takes half the registers it takes at 9..16): the best of five
+# ring configs ran 0.86-1.00x this pick per case on eight shapes (results/tune_gemv_mma_x_ring.json, M = 1 / 4 / 8),
+# so none is a candidate.
 _INT4_ONE_TILE = [MmaDecodeConfig(128, 8, 2, early_refill=True), MmaDecodeConfig(128, 4, 4),
                   MmaDecodeConfig(64, 4, 4, early_refill=True), MmaDecodeConfig(128, 4, 3, early_refill=True),
                   MmaDecodeConfig(64, 4, 8), MmaDecodeConfig(128, 8, 4)]
-_INT4_TWO_TILES = [MmaDecodeConfig(128, 4, 2, False), MmaDecodeConfig(128, 4, 3, False),
-                   MmaDecodeConfig(128, 4, 4, False), MmaDecodeConfig(256, 4, 1, False), MmaDecodeConfig(128, 4, 2)]
+# M = 9..16 with x through the shared-memory ring: 128 rows x 4 warps, early refill (which the two 32-register x
+# buffers per chunk crowded out: 198 registers with the ring, no spills), rings of two groups of two chunks. H100
+# (results/tune_gemv_mma_x_ring.json, W4A16 g128, float32 scales, CUDA graphs, one call; M = 9 / 12 / 16 against
+# the register pick below, `X_RING_MIN_WEIGHTS`): 1.06-1.31x on the five Llama-3 shapes (4096x28672 M = 16 32.6 us
+# vs 42.8, 2.75x bf16; 28672x8192 60.5 vs 69.8, 2.82x), 1.00-1.07x from 8M codes on small ones (4096x4096,
+# 2048x8192, 8192x2048, 3072x3072), 0.94-0.99x below (2048x2048, 2048x3072). Groups of 4 / 6 / 8 chunks ran at
+# 0.92-0.99x / 0.72-0.93x / 0.71-0.88x the speed of groups of 2 (the start requests two whole groups).
+_INT4_TWO_TILES = [MmaDecodeConfig(128, 4, 2, False, True, x_group=2), MmaDecodeConfig(128, 4, 2, False),
+                   MmaDecodeConfig(128, 4, 3, False), MmaDecodeConfig(128, 4, 4, False),
+                   MmaDecodeConfig(256, 4, 1, False), MmaDecodeConfig(128, 4, 2),
+                   MmaDecodeConfig(128, 4, 2, False, True, x_group=4),
+                   MmaDecodeConfig(64, 4, 4, False, True, x_group=4)]
 MMA_DECODE_CONFIGS: Dict[str, List[Tuple[int, List[MmaDecodeConfig]]]] = {
     "sm90": [(8, _INT4_ONE_TILE), (MAX_M, _INT4_TWO_TILES)]}
+# Weights (N x K codes) below this take the bucket's first register-x candidate instead of an x-ring pick.
+X_RING_MIN_WEIGHTS: Dict[str, int] = {"sm90": 8 << 20}
 
 
 def all_configs(arch: str) -> List[MmaDecodeConfig]:
@@ -139,15 +166,24 @@ def check_config(cfg: MmaDecodeConfig) -> None:
                          f"got {cfg}")
     if cfg.programs_per_sm < 1:
         raise ValueError(f"config programs_per_sm: expected >= 1, got {cfg.programs_per_sm}")
+    if cfg.x_group < 0 or cfg.x_group % 2:
+        # the K loop takes chunks two at a time, so a refill falls after a whole pair
+        raise ValueError(f"config x_group: expected 0 (off) or an even number of chunks, got {cfg.x_group}")
 
 
-def candidates(m: int, device: torch.device) -> List[MmaDecodeConfig]:
+def candidates(m: int, device: torch.device, arch: Optional[str] = None) -> List[MmaDecodeConfig]:
     """The candidates of M's bucket (1 <= M <= MAX_M), the shipped pick first."""
-    return next(cfgs for max_m, cfgs in MMA_DECODE_CONFIGS[arch_key(device.type, device.index)] if m <= max_m)
+    return next(cfgs for max_m, cfgs in MMA_DECODE_CONFIGS[arch or arch_key(device.type, device.index)] if m <= max_m)
 
 
-def pick_config(m: int, device: torch.device) -> MmaDecodeConfig:
-    return candidates(m, device)[0]
+def pick_config(m: int, device: torch.device, weights: int = 1 << 62, arch: Optional[str] = None) -> MmaDecodeConfig:
+    """M's pick for a weight of `weights` (N x K) codes: the bucket's first candidate, or its first without the x
+    ring below X_RING_MIN_WEIGHTS."""
+    arch = arch or arch_key(device.type, device.index)
+    cfgs = candidates(m, device, arch)
+    if weights < X_RING_MIN_WEIGHTS.get(arch, 0):
+        return next(c for c in cfgs if not c.x_group)
+    return cfgs[0]
 
 
 def whole_chunk_groups(scales: torch.Tensor, group_size: int) -> bool:
@@ -205,6 +241,39 @@ if GLUON_AVAILABLE:
             return out
         return gl.DistributedLinearLayout(_regs_vector_first(conv(b_ll.reg_bases), 1), conv(b_ll.lane_bases),
                                           conv(b_ll.warp_bases), [], [8, WORDS_PER_CHUNK, b_ll.shape[1]])
+
+    @gluon.constexpr_function
+    def _x_box_layout(x_ll):
+        """One [MP, 64] x box of the shared-memory ring (k = 64 h + 16 f' + j, f = f' + 4 h) in the register
+        layout that `_x_from_boxes` turns into x_l by register renaming: x_l's bases over (f, j, m) without f's
+        bit 4, which is the join of the two boxes (a register basis of x_l: the two halves of a register pair)."""
+        def conv(bases):
+            return [[dm, 16 * (df & 3) + dj] for df, dj, dm in bases if not df & 4]
+        assert [4, 0, 0] in x_ll.reg_bases, "f's bit 4 must be a register basis of x's layout"
+        return gl.DistributedLinearLayout(conv(x_ll.reg_bases), conv(x_ll.lane_bases), conv(x_ll.warp_bases), [],
+                                          [x_ll.shape[2], 64])
+
+    @gluon.jit
+    def _x_from_boxes(x_smem, slot, xb_l: gl.constexpr, x_l: gl.constexpr):
+        """Chunk's x [8 f, 16 j, MP] in x_l from its two [MP, 64] boxes in ring slot `slot`."""
+        MP: gl.constexpr = xb_l.shape[0]
+        lo = gl.permute(gl.reshape(x_smem.index(2 * slot).load(xb_l), [MP, 4, 16]), (1, 2, 0))
+        hi = gl.permute(gl.reshape(x_smem.index(2 * slot + 1).load(xb_l), [MP, 4, 16]), (1, 2, 0))
+        xv = gl.reshape(gl.permute(gl.join(lo, hi), (3, 0, 1, 2)), [8, _WORDS, MP])
+        return gl.convert_layout(xv, x_l, assert_trivial=True)
+
+    @gluon.jit
+    def _x_refill(x_desc, x_smem, ready, first, n_steps, c_begin, GROUP_X: gl.constexpr):
+        """Chunks first .. first + GROUP_X - 1 of this split (those before n_steps) into their ring slots (chunk t
+        in slot t % (2 GROUP_X)), each as two [MP, 64] boxes; rows past M and codes past K come as zeros."""
+        for i in gl.static_range(GROUP_X):
+            t = first + i
+            slot = t % (2 * GROUP_X)
+            fill = t < n_steps
+            k = (c_begin + t) * _CHUNK
+            mbarrier.expect(ready.index(slot), 2 * x_desc.block_type.nbytes, pred=fill)
+            _tma_load(x_desc, [0, k], ready.index(slot), x_smem.index(2 * slot), pred=fill)
+            _tma_load(x_desc, [0, k + _CHUNK // 2], ready.index(slot), x_smem.index(2 * slot + 1), pred=fill)
 
     @gluon.jit
     def _halves(v, DT: gl.constexpr):
@@ -268,12 +337,15 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z, N, chunk, ok,
-                    group_chunk_shift, HAS_ZERO: gl.constexpr, PER_CHANNEL: gl.constexpr, EVEN_K: gl.constexpr):
+                    group_chunk_shift, HAS_ZERO: gl.constexpr, PER_CHANNEL: gl.constexpr, EVEN_K: gl.constexpr,
+                    X_SMEM: gl.constexpr = False):
         # no fill values where nothing needs them (saves zeroing the registers first): rows past N and columns
         # past M are never stored, and the mma keeps rows and columns apart; codes past K are 0, but their
         # u - z is not, so x there must be 0
         words = gl.load(w_ptrs + chunk * _WORDS, mask=w_mask & ok)
-        if EVEN_K:
+        if X_SMEM:
+            xv = 0  # x comes from the shared-memory ring (`_x_from_boxes`)
+        elif EVEN_K:
             xv = gl.load(x_ptrs + chunk * _CHUNK, mask=x_mask_m & ok)
         else:
             xv = gl.load(x_ptrs + chunk * _CHUNK, mask=x_mask_m & ok & (x_k + chunk * _CHUNK < K), other=0.0)
@@ -291,9 +363,15 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _chunk_product(acc, w, xv, s, z, a_l: gl.constexpr, b_l: gl.constexpr, DT: gl.constexpr,
-                       PER_CHANNEL: gl.constexpr):
-        """acc + (u - z) x over one chunk, scaled by the chunk's group scale (per channel: after the K loop)."""
+                       PER_CHANNEL: gl.constexpr, x_smem=None, ready=None, t=0, GROUP_X: gl.constexpr = 0,
+                       xb_l: gl.constexpr = None, x_l: gl.constexpr = None):
+        """acc + (u - z) x over one chunk, scaled by the chunk's group scale (per channel: after the K loop); with
+        GROUP_X, x is chunk t of the shared-memory ring instead of xv."""
         a = _expand(w, magic_zero_pair(z, DT)[:, None], a_l, DT)
+        if GROUP_X > 0:
+            slot = t % (2 * GROUP_X)
+            mbarrier.wait(ready.index(slot), (t // (2 * GROUP_X)) & 1)
+            xv = _x_from_boxes(x_smem, slot, xb_l, x_l)
         b = _x_operand(xv, b_l)
         if PER_CHANNEL:
             return mma_v2(a, b, acc)
@@ -302,12 +380,12 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _wo_mma_decode_kernel(
-        x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+        x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, x_desc,
         M, N, K, stride_xm, stride_wn, stride_om, chunks_per_split, splits, group_chunk_shift,
         HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, FUSED_REDUCE: gl.constexpr,
         PER_CHANNEL: gl.constexpr, EVEN_K: gl.constexpr, BLOCK_N: gl.constexpr, MP: gl.constexpr,
         num_warps: gl.constexpr, SIGNAL: gl.constexpr = False, PDL: gl.constexpr = False,
-        EARLY_REFILL: gl.constexpr = False,
+        EARLY_REFILL: gl.constexpr = False, GROUP_X: gl.constexpr = 0,
     ):
         # PDL: launched early (configs.decode_pdl); nothing is read before the wait, which also signals
         grid_dependency_sync(PDL)
@@ -342,12 +420,26 @@ if GLUON_AVAILABLE:
         rows_s = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         rows_z = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_l))
 
+        X_SMEM: gl.constexpr = GROUP_X > 0
+        xb_l: gl.constexpr = _x_box_layout(x_l) if X_SMEM else None
+        if X_SMEM:  # the ring's first two groups of chunks are in flight before the first words are loaded
+            x_smem = gl.allocate_shared_memory(DT, [4 * GROUP_X, MP, _CHUNK // 2], x_desc.layout)
+            ready = gl.allocate_shared_memory(gl.int64, [2 * GROUP_X, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2 * GROUP_X):
+                mbarrier.init(ready.index(i), count=1)
+            _x_refill(x_desc, x_smem, ready, 0, n_steps, c_begin, GROUP_X)
+            _x_refill(x_desc, x_smem, ready, GROUP_X, n_steps, c_begin, GROUP_X)
+        else:
+            x_smem = None
+            ready = None
+
         # two chunks in flight: each buffer is refilled as soon as its chunk is converted, while the other
         # buffer's chunk is converted (unrolled by two, so the buffers stay in their registers: no copies)
         wa, xa, sa, za = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z, N,
-                                     c_begin, n_steps > 0, group_chunk_shift, HAS_ZERO, PER_CHANNEL, EVEN_K)
+                                     c_begin, n_steps > 0, group_chunk_shift, HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM)
         wb, xb, sb, zb = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z, N,
-                                     c_begin + 1, n_steps > 1, group_chunk_shift, HAS_ZERO, PER_CHANNEL, EVEN_K)
+                                     c_begin + 1, n_steps > 1, group_chunk_shift, HAS_ZERO, PER_CHANNEL, EVEN_K,
+                                     X_SMEM)
         acc = gl.zeros([BLOCK_N, MP], gl.float32, mma)
         for t in range(0, n_steps, 2):
             # EARLY_REFILL: a buffer's refill is issued before its chunk is converted (a third buffer's registers),
@@ -355,24 +447,30 @@ if GLUON_AVAILABLE:
             if EARLY_REFILL:
                 na, nxa, nsa, nza = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s,
                                                 rows_z, N, c_begin + t + 2, t + 2 < n_steps, group_chunk_shift,
-                                                HAS_ZERO, PER_CHANNEL, EVEN_K)
-            acc = _chunk_product(acc, wa, xa, sa, za, a_l, b_l, DT, PER_CHANNEL)
+                                                HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM)
+            acc = _chunk_product(acc, wa, xa, sa, za, a_l, b_l, DT, PER_CHANNEL, x_smem, ready, t, GROUP_X, xb_l,
+                                 x_l)
             if not EARLY_REFILL:
                 na, nxa, nsa, nza = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s,
                                                 rows_z, N, c_begin + t + 2, t + 2 < n_steps, group_chunk_shift,
-                                                HAS_ZERO, PER_CHANNEL, EVEN_K)
+                                                HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM)
             wa, xa, sa, za = na, nxa, nsa, nza
             if EARLY_REFILL:
                 nb, nxb, nsb, nzb = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s,
                                                 rows_z, N, c_begin + t + 3, t + 3 < n_steps, group_chunk_shift,
-                                                HAS_ZERO, PER_CHANNEL, EVEN_K)
+                                                HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM)
             if t + 1 < n_steps:
-                acc = _chunk_product(acc, wb, xb, sb, zb, a_l, b_l, DT, PER_CHANNEL)
+                acc = _chunk_product(acc, wb, xb, sb, zb, a_l, b_l, DT, PER_CHANNEL, x_smem, ready, t + 1, GROUP_X,
+                                     xb_l, x_l)
             if not EARLY_REFILL:
                 nb, nxb, nsb, nzb = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s,
                                                 rows_z, N, c_begin + t + 3, t + 3 < n_steps, group_chunk_shift,
-                                                HAS_ZERO, PER_CHANNEL, EVEN_K)
+                                                HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM)
             wb, xb, sb, zb = nb, nxb, nsb, nzb
+            if X_SMEM:
+                if (t + 2) % GROUP_X == 0:  # a group of chunks done: every warp has read its slots, refill them
+                    _cta_barrier()
+                    _x_refill(x_desc, x_smem, ready, t + 2 + GROUP_X, n_steps, c_begin, GROUP_X)
 
         cols = gl.arange(0, MP, layout=gl.SliceLayout(0, mma))
         out_mask = (rows_s < N)[:, None] & (cols < M)[None, :]
@@ -409,7 +507,7 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     fused_reduce: a second kernel reduces)."""
     from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
 
-    cfg = config or pick_config(x2d.shape[0], x2d.device)
+    cfg = config or pick_config(x2d.shape[0], x2d.device, n * x2d.shape[1])
     check_config(cfg)
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(x2d.device).multi_processor_count
@@ -430,13 +528,17 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     group_chunk_shift = 0 if per_channel else (group_size // CHUNK).bit_length() - 1
     pdl = split and not fused and split_k_reduce_pdl(x2d.device)
     early = decode_pdl(x2d.device, m, 4)
+    mp = 8 if m <= 8 else 16
+    # x through the shared-memory ring where the copy engine can read it (else the register buffers)
+    group_x = cfg.x_group if describable(x2d) else 0
+    x_desc = operand_descriptor(x2d, [mp, CHUNK // 2]) if group_x else None
     launch_kernel(_wo_mma_decode_kernel, (grid_n, splits),
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales, out, part,
-        counters if fused else scales, m, n, k, x2d.stride(0), qweight.stride(0), out.stride(0), chunks_per_split,
-        splits, group_chunk_shift,
+        counters if fused else scales, x_desc, m, n, k, x2d.stride(0), qweight.stride(0), out.stride(0),
+        chunks_per_split, splits, group_chunk_shift,
         HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, SPLIT=split, FUSED_REDUCE=fused, PER_CHANNEL=per_channel,
-        EVEN_K=k % CHUNK == 0, BLOCK_N=cfg.block_n, MP=8 if m <= 8 else 16, num_warps=cfg.num_warps, SIGNAL=pdl,
-        PDL=early, EARLY_REFILL=bool(cfg.early_refill), **pdl_launch_options(early),
+        EVEN_K=k % CHUNK == 0, BLOCK_N=cfg.block_n, MP=mp, num_warps=cfg.num_warps, SIGNAL=pdl,
+        PDL=early, EARLY_REFILL=bool(cfg.early_refill), GROUP_X=group_x, **pdl_launch_options(early),
     )
     if split and not fused:
         splitk_reduce(part.view(splits, -1, n), bias, out, pdl=pdl)
