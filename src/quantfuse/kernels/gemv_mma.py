@@ -98,9 +98,9 @@ class MmaDecodeConfig:
     programs_per_sm sets the split-K target (row blocks x splits ~ programs_per_sm x SMs); fused_reduce: the
     last split of a row block adds the partials (with a counter slot), else `weight_only.splitk_reduce` does;
     early_refill: each register buffer's next chunk is loaded before its chunk is converted (three buffers' worth
-    of registers, two chunks in flight under each conversion); x_group (M = 9..16 only; 0: off): x comes from a
-    shared-memory ring of 2 x x_group chunks that the copy engine fills, x_group chunks at a time behind one CTA
-    barrier, read right before each product instead of held in a register buffer per chunk in flight."""
+    of registers, two chunks in flight under each conversion); x_group (0: off; picked at M = 9..16 only): x comes
+    from a shared-memory ring of 2 x x_group chunks that the copy engine fills, x_group chunks at a time behind one
+    CTA barrier, read right before each product instead of held in a register buffer per chunk in flight."""
     block_n: int
     num_warps: int
     programs_per_sm: int
