@@ -77,7 +77,8 @@ def quantize_per_tensor(
     """Static (given scale [and azp]) or dynamic (amax over the whole tensor) per-tensor quantization."""
     xf = x.float()
     if scale is None:
-        scale = dynamic_scale(xf.abs().amax(), dtype).reshape(1)
+        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())  # an empty tensor: amax 0, the floor scale
+        scale = dynamic_scale(amax, dtype).reshape(1)
         return quantize_values(xf / scale, dtype), scale, None
     s = scale.float().reshape(())
     if azp is None:
@@ -179,7 +180,7 @@ def scaled_mm(
         if azp is not None:
             corr = azp.reshape(m, 1).to(torch.int32) * corr
         acc = acc - corr
-    sa = scale_a.float().reshape(m, 1) if scale_a.numel() > 1 else scale_a.float().reshape(())
+    sa = scale_a.float().reshape(m, 1) if scale_a.numel() != 1 else scale_a.float().reshape(())  # per token: M (0..)
     sb = scale_b.float().reshape(1, n) if scale_b.numel() > 1 else scale_b.float().reshape(())
     out = (sa * sb) * acc.float()
     if bias is not None:
