@@ -154,6 +154,11 @@ def test_public_op_dispatch(monkeypatch):
     xv = torch.randn(3, k + 8, device=DEV).to(BF16)[:, :k]
     assert gm.applies(xv, qw.qweight, qw.scales, 4, 128, k)
     _check_bound(_run(xv, qw), xv, qw, torch.zeros(n, device=DEV, dtype=BF16), "padded rows of x")
+    # M = 16 on rows the copy engine cannot read (8196-byte stride): the register pick instead of the x ring
+    qw = qf.quantize_weight(_weight(4096, 4096), bits=4, group_size=128)
+    xu = torch.randn(16, 4096 + 2, device=DEV).to(BF16)[:, :4096]
+    assert gm.auto_config(xu, 4096).x_group == 0 and gm.auto_config(xu.contiguous(), 4096).x_group > 0
+    _check_bound(qf.weight_only_mm(xu, qw), xu, qw, torch.zeros(4096, device=DEV, dtype=BF16), "unaligned rows")
 
 
 def test_cuda_graph_replay():

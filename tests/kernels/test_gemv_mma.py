@@ -23,7 +23,7 @@ def test_shipped_configs_are_valid_and_bad_ones_refused():
             gm.check_config(bad)
 
 
-def test_x_ring_pick_from_8m_codes_at_two_tiles_only():
+def test_x_ring_pick_from_8m_codes_at_two_tiles_only(monkeypatch):
     """M = 9..16 takes x through the shared-memory ring from X_RING_MIN_WEIGHTS codes, the register pick below;
     M <= 8 never does (results/tune_gemv_mma_x_ring.json)."""
     cpu = torch.device("cpu")
@@ -34,6 +34,14 @@ def test_x_ring_pick_from_8m_codes_at_two_tiles_only():
         assert reg.x_group == 0 and not reg.early_refill and reg == gm.MmaDecodeConfig(128, 4, 2, False)
     for m in (1, 8):
         assert gm.pick_config(m, cpu, 28672 * 4096, "sm90") == gm.MmaDecodeConfig(128, 8, 2, early_refill=True)
+    # rows the copy engine cannot read (a row stride of 4100 bytes): the register pick, whatever the weight
+    seen = []
+    real = gm.pick_config
+    monkeypatch.setattr(gm, "pick_config",
+                        lambda m, dev, weights: seen.append(weights) or real(m, dev, weights, "sm90"))
+    assert gm.auto_config(torch.randn(16, 4096 + 2, dtype=torch.bfloat16)[:, :4096], 28672).x_group == 0
+    assert gm.auto_config(torch.randn(16, 4096, dtype=torch.bfloat16), 28672).x_group == 2
+    assert seen == [0, 28672 * 4096]
 
 
 def test_never_applies_on_cpu_tensors_or_outside_its_scope():

@@ -186,6 +186,13 @@ def pick_config(m: int, device: torch.device, weights: int = 1 << 62, arch: Opti
     return cfgs[0]
 
 
+def auto_config(x2d: torch.Tensor, n: int) -> MmaDecodeConfig:
+    """The launcher's pick for x2d @ W.T with N = n outputs: `pick_config` for the weight's size, the register pick
+    where the copy engine cannot read x2d's rows (the x ring needs a tensor descriptor)."""
+    m, k = x2d.shape
+    return pick_config(m, x2d.device, n * k if describable(x2d) else 0)
+
+
 def whole_chunk_groups(scales: torch.Tensor, group_size: int) -> bool:
     """Per channel, or groups of a power-of-two number of whole 128-code chunks (a chunk never straddles groups)."""
     chunks_per_group = group_size // CHUNK
@@ -507,7 +514,7 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     fused_reduce: a second kernel reduces)."""
     from .weight_only import splitk_reduce  # here, not at the top: weight_only imports this module
 
-    cfg = config or pick_config(x2d.shape[0], x2d.device, n * x2d.shape[1])
+    cfg = config or auto_config(x2d, n)
     check_config(cfg)
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(x2d.device).multi_processor_count
@@ -529,7 +536,8 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     pdl = split and not fused and split_k_reduce_pdl(x2d.device)
     early = decode_pdl(x2d.device, m, 4)
     mp = 8 if m <= 8 else 16
-    # x through the shared-memory ring where the copy engine can read it (else the register buffers)
+    # x through the shared-memory ring where the copy engine can read it (else the register buffers: a config
+    # given with x_group then runs as it would without; `auto_config` picks the register pick there)
     group_x = cfg.x_group if describable(x2d) else 0
     x_desc = operand_descriptor(x2d, [mp, CHUNK // 2]) if group_x else None
     launch_kernel(_wo_mma_decode_kernel, (grid_n, splits),

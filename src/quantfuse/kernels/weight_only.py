@@ -1292,7 +1292,7 @@ def gemv_mma_mm(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
                 config: Optional["gemv_mma.MmaDecodeConfig"] = None, splits: Optional[int] = None) -> torch.Tensor:
     """The Gluon tensor-core int4 decode kernel (`gemv_mma`, sm90, M <= 16) with this module's split-K counters and
     SM count; the caller checked `gemv_mma.applies`."""
-    cfg = config or gemv_mma.pick_config(x2d.shape[0], x2d.device, n * x2d.shape[1])
+    cfg = config or gemv_mma.auto_config(x2d, n)
     counters = _tile_counters(x2d.device, cdiv(n, cfg.block_n)) if cfg.fused_reduce else None
     return gemv_mma.gemv_mma(x2d, qweight, scales, zeros, bias, group_size, n, config=cfg, splits=splits,
                              counters=counters, num_sms=_num_sms(x2d.device))
