@@ -215,9 +215,16 @@ def test_small_m_16bit_scales_dispatch(monkeypatch, dtype):
         assert len(calls) == n_calls
     qw32 = _quantized(6144, 4096, SCHEMES[0], dtype)  # float32 scales
     qf.weight_only_mm(torch.randn(64, 4096, device=DEV).to(dtype), qw32)
-    qw_wide = _quantized(10240, 8192, (128, True, "x"), dtype)  # 160 tiles: the tl tile
-    qf.weight_only_mm(torch.randn(64, 8192, device=DEV).to(dtype), qw_wide)
-    assert len(calls) == 6
+    # 160 tiles of 64 x 64 at M = 64, 2 splits: 320 of 3 x SMs (0.81 on the H100): this kernel
+    qw_wide = _quantized(10240, 8192, (128, True, "x"), dtype)
+    x = torch.randn(64, 8192, device=DEV).to(dtype)
+    _check_bound(qf.weight_only_mm(x, qw_wide), x, qw_wide, torch.zeros(10240, device=DEV, dtype=dtype), "160 tiles")
+    assert len(calls) == 7
+    # 3 x SMs + 4 tiles, no split: about half of two rounds of 3 x SMs (under SMALL_M_MIN_FILL): the tl tile
+    n_poor = (3 * torch.cuda.get_device_properties(0).multi_processor_count + 4) * 64
+    qw_poor = _quantized(n_poor, 512, (128, True, "x"), dtype)
+    qf.weight_only_mm(torch.randn(64, 512, device=DEV).to(dtype), qw_poor)
+    assert len(calls) == 7
 
 
 def test_dispatch_graph_and_fallback(monkeypatch):

@@ -45,18 +45,26 @@ def test_prefer_rule():
 def test_small_m_rule():
     """16-bit scales at M = 32 / 64 / 128 exactly, where the programs fill their last round well enough."""
     for m in (32, 64, 128):
-        for n, k in ((6144, 4096), (28672, 4096), (4096, 14336), (8192, 28672)):
+        for n, k in ((6144, 4096), (28672, 4096), (4096, 14336), (8192, 28672), (10240, 8192)):
             cfg = ww.small_m_config(m, n, k, "sm90", 132, True)
-            assert cfg is not None and cfg.block_m == m and cfg.num_warps == 4 and cfg.programs_per_sm == 2
-        # 10240 x 8192: 160 column tiles, no split, 160 of 264 slots (0.61)
-        assert ww.small_m_config(m, 10240, 8192, "sm90", 132, True) is None
+            assert cfg is not None and cfg.block_m == m and cfg.num_warps == 4
+            assert cfg.programs_per_sm == (2 if m == 128 else 3) and cfg.stages == 3
+        # 2048 x 8192 at M = 128: 32 column tiles x 8 splits = 256 of 264 slots; 1024 x 8192: 16 x 16 = 256
+        assert ww.small_m_config(128, 2048, 8192, "sm90", 132, True) is not None
+        # 28672 x 4096 at M = 128: 448 tiles, no split: 448 of two rounds of 264 slots (0.85); at M = 32 / 64 of
+        # two rounds of 396 (0.57): over SMALL_M_MIN_FILL, 0.55
         assert ww.small_m_config(m, 6144, 4096, "sm90", 132, False) is None  # float32 scales: the tl tiles
         assert ww.small_m_config(m, 6144, 4096, "default", 132, True) is None
         assert ww.small_m_config(m, 6144, 4096, "sm90", 0, True) is None  # no GPU
     for m in (1, 16, 31, 33, 48, 96, 127, 129):
         assert ww.small_m_config(m, 6144, 4096, "sm90", 132, True) is None
-    # 6144 x 4096: 96 tiles x 2 splits = 192 of 264 slots (0.73)
-    assert ww.splits_for(64, 6144, 4096, ww.SMALL_M_16BIT["sm90"][64], 132) == 2
+    # 6144 x 4096: 96 tiles x 4 splits = 384 of 396 slots at M = 64; x 2 = 192 of 264 at M = 128 (0.73)
+    assert ww.splits_for(64, 6144, 4096, ww.SMALL_M_16BIT["sm90"][64], 132) == 4
+    assert ww.splits_for(128, 6144, 4096, ww.SMALL_M_16BIT["sm90"][128], 132) == 2
+    # the last round's fill at M = 32: 264 tiles of 32 x 64 on 132 SMs, three per SM, no split (264 of 396: 0.67);
+    # 25 tiles on 8 SMs, no split (25 of two rounds of 24: 0.52, under SMALL_M_MIN_FILL)
+    assert ww.small_m_config(32, 16896, 4096, "sm90", 132, True) is not None
+    assert ww.small_m_config(32, 1600, 4096, "sm90", 8, True) is None
     assert set(ww.SMALL_M_16BIT["sm90"].values()) <= set(ww.all_configs("sm90"))
 
 
@@ -114,7 +122,7 @@ def _compile_sm90(block_m=128, num_warps=8, stages=4, dtype="bf16", scale16=Fals
 @pytest.mark.parametrize("build,spill_free", [
     ("block_m=128, stages=4, dtype='bf16', has_zero=True", True),
     # the small-M configs of 16-bit scales (SMALL_M_16BIT: 4 warps)
-    ("block_m=32, num_warps=4, stages=4, dtype='bf16', scale16=True, split=True", True),
+    ("block_m=32, num_warps=4, stages=3, dtype='bf16', scale16=True, split=True", True),
     ("block_m=128, num_warps=4, stages=3, dtype='fp16', scale16=True, split=True", True),
     ("block_m=256, stages=3, dtype='fp16', scale16=True, split=True", True),
     # the 256-row tile with float32 scales sits at 255 registers (ptxas: 20 bytes spilled), measured as shipped
