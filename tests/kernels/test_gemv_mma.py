@@ -41,7 +41,10 @@ def test_x_ring_pick_from_8m_codes_at_two_tiles_only(monkeypatch):
                         lambda m, dev, weights: seen.append(weights) or real(m, dev, weights, "sm90"))
     assert gm.auto_config(torch.randn(16, 4096 + 2, dtype=torch.bfloat16)[:, :4096], 28672).x_group == 0
     assert gm.auto_config(torch.randn(16, 4096, dtype=torch.bfloat16), 28672).x_group == 2
-    assert seen == [0, 28672 * 4096]
+    assert seen == [28672 * 4096, 0, 28672 * 4096]
+    seen.clear()  # M <= 8 never takes the ring: one pick, rows unchecked
+    assert gm.auto_config(torch.randn(8, 4096 + 2, dtype=torch.bfloat16)[:, :4096], 28672).x_group == 0
+    assert seen == [28672 * 4096]
 
 
 def test_never_applies_on_cpu_tensors_or_outside_its_scope():

@@ -45,19 +45,20 @@ def test_prefer_rule():
 def test_small_m_rule():
     """16-bit scales at M = 32 / 64 / 128 exactly, where the programs fill their last round well enough."""
     for m in (32, 64, 128):
+        # 28672 x 4096: 448 tiles, no split: of two rounds of 264 slots at M = 128 (0.85), of 396 at M = 32 / 64
+        # (0.57, over SMALL_M_MIN_FILL); 10240 x 8192: 160 tiles, 2 splits, 320 of 396 at M = 32 / 64 (0.81), no
+        # split, 160 of 264 at M = 128 (0.61)
         for n, k in ((6144, 4096), (28672, 4096), (4096, 14336), (8192, 28672), (10240, 8192)):
             cfg = ww.small_m_config(m, n, k, "sm90", 132, True)
             assert cfg is not None and cfg.block_m == m and cfg.num_warps == 4
             assert cfg.programs_per_sm == (2 if m == 128 else 3) and cfg.stages == 3
-        # 2048 x 8192 at M = 128: 32 column tiles x 8 splits = 256 of 264 slots; 1024 x 8192: 16 x 16 = 256
-        assert ww.small_m_config(128, 2048, 8192, "sm90", 132, True) is not None
-        # 28672 x 4096 at M = 128: 448 tiles, no split: 448 of two rounds of 264 slots (0.85); at M = 32 / 64 of
-        # two rounds of 396 (0.57): over SMALL_M_MIN_FILL, 0.55
         assert ww.small_m_config(m, 6144, 4096, "sm90", 132, False) is None  # float32 scales: the tl tiles
         assert ww.small_m_config(m, 6144, 4096, "default", 132, True) is None
         assert ww.small_m_config(m, 6144, 4096, "sm90", 0, True) is None  # no GPU
     for m in (1, 16, 31, 33, 48, 96, 127, 129):
         assert ww.small_m_config(m, 6144, 4096, "sm90", 132, True) is None
+    # 2048 x 8192 at M = 128: 32 column tiles x 8 splits = 256 of 264 slots
+    assert ww.small_m_config(128, 2048, 8192, "sm90", 132, True) is not None
     # 6144 x 4096: 96 tiles x 4 splits = 384 of 396 slots at M = 64; x 2 = 192 of 264 at M = 128 (0.73)
     assert ww.splits_for(64, 6144, 4096, ww.SMALL_M_16BIT["sm90"][64], 132) == 4
     assert ww.splits_for(128, 6144, 4096, ww.SMALL_M_16BIT["sm90"][128], 132) == 2

@@ -190,7 +190,8 @@ def auto_config(x2d: torch.Tensor, n: int) -> MmaDecodeConfig:
     """The launcher's pick for x2d @ W.T with N = n outputs: `pick_config` for the weight's size, the register pick
     where the copy engine cannot read x2d's rows (the x ring needs a tensor descriptor)."""
     m, k = x2d.shape
-    return pick_config(m, x2d.device, n * k if describable(x2d) else 0)
+    cfg = pick_config(m, x2d.device, n * k)
+    return pick_config(m, x2d.device, 0) if cfg.x_group and not describable(x2d) else cfg
 
 
 def whole_chunk_groups(scales: torch.Tensor, group_size: int) -> bool:
@@ -538,7 +539,7 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
     mp = 8 if m <= 8 else 16
     # x through the shared-memory ring where the copy engine can read it (else the register buffers: a config
     # given with x_group then runs as it would without; `auto_config` picks the register pick there)
-    group_x = cfg.x_group if describable(x2d) else 0
+    group_x = cfg.x_group if cfg.x_group and describable(x2d) else 0
     x_desc = operand_descriptor(x2d, [mp, CHUNK // 2]) if group_x else None
     launch_kernel(_wo_mma_decode_kernel, (grid_n, splits),
         x2d, qweight, scales, zeros if zeros is not None else scales, bias if has_bias else scales, out, part,

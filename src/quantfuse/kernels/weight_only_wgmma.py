@@ -122,21 +122,22 @@ WGMMA_W4_DISPATCH: Dict[str, Dict[str, int]] = {
 
 
 # 16-bit scales of x's dtype at M = 32 / 64 / 128 exactly: one full row tile of M tokens, 64 weight rows a program (4
-# warps), split-K for two programs per SM, ahead of the tl wide tiles there (whose packed conversion ptxas serializes
-# the wgmma of: C7515 in the sm90 build). H100 (results/tune_weight_only_mid_m_wgmma_bf16.json, W4A16 g128
-# symmetric, bfloat16 scales, bf16 x, five Llama-3 shapes, CUDA graphs, same run as the tl tiles): 1.03-1.14x at
-# M = 32, 1.09-1.19x at 64, 1.18-1.49x at 128 (4096x6144 21.9 us vs 32.0). Where the grid fills less than
-# SMALL_M_MIN_FILL of two programs per SM (8192x10240: 160 tiles, one split) it lost at M = 32 / 64 (0.76x / 0.81x;
-# 1.02x at 128), and with rows past M (M = 96 on the 128-row tile: the copy engine's zero-filled rows) it was mixed
-# (0.87-1.37x): both stay on the tl tiles. So do float32 scales, whose tl path is the faster one: the same configs
-# there won on 2 of 5 shapes at M = 128 and lost on 3, and at M = 80 on 1 (results/tune_weight_only_mid_m_wgmma.json).
-# Since stop 55 M = 32 / 64 split for three programs per SM with 3 slots (3 of these programs fit an SM: one round
-# of 3 x SMs), bfloat16 scales, same call (results/tune_weight_only_mid_m_wgmma_p3.json): 1.18-1.28x the 4-slot
-# two-per-SM config at M = 32 and 1.11-1.27x at 64 on 4096x6144 / 14336x4096 / 28672x8192 (4096x6144 M = 32 13.1 us
-# vs 16.8, 1.80x bf16; M = 64 14.5 vs 18.4), 0.99-1.0x on 4096x28672 (448 tiles, no split either way), and
-# 1.21x / 1.28x the tl tiles that ran at 8192x10240 (now 160 tiles x 2 splits fill 0.81 of the round). At M = 128
-# three per SM lost on three of five shapes (0.81-0.88x): two stay. SMALL_M_MIN_FILL 0.55 keeps 4096x28672 (448
-# tiles: 0.57 of two rounds of 396) and 8192x10240 at M = 128 (0.61 of 264; 72.6 us vs 72.6 for the tl tile) here.
+# warps), split-K for programs_per_sm programs per SM, ahead of the tl wide tiles there (whose packed conversion
+# ptxas serializes the wgmma of: C7515 in the sm90 build). H100, W4A16 g128 symmetric, bf16 x, CUDA graphs:
+# - two per SM, 4 / 4 / 3 slots (results/tune_weight_only_mid_m_wgmma_bf16.json, bfloat16 scales, five Llama-3
+#   shapes, same run as the tl tiles): 1.03-1.14x at M = 32, 1.09-1.19x at 64, 1.18-1.49x at 128 (4096x6144 21.9 us
+#   vs 32.0); behind where the grid filled its last round poorly (8192x10240: 160 tiles, one split; 0.76x / 0.81x at
+#   M = 32 / 64, 1.02x at 128) and mixed with rows past M (M = 96 on the 128-row tile: the copy engine's zero-filled
+#   rows; 0.87-1.37x): those stay on the tl tiles. So do float32 scales, whose tl path is the faster one (these
+#   configs won on 2 of 5 shapes at M = 128, results/tune_weight_only_mid_m_wgmma.json; three per SM at M = 32 / 64
+#   0.74-0.96x, results/tune_weight_only_mid_m_wgmma_p3.json).
+# - three per SM, 3 slots, at M = 32 / 64 (3 of these programs fit an SM: one round of 3 x SMs; bfloat16 scales,
+#   same call, tune_weight_only_mid_m_wgmma_p3.json): 1.18-1.28x two per SM at M = 32 and 1.11-1.27x at 64 on
+#   4096x6144 / 14336x4096 / 28672x8192 (4096x6144 M = 32 13.1 us vs 16.8, 1.80x bf16; M = 64 14.5 vs 18.4),
+#   0.99-1.0x on 4096x28672 (448 tiles, no split either way), 1.21x / 1.28x the tl tiles at 8192x10240 (160 tiles x
+#   2 splits now fill 0.81 of the round). At M = 128 three per SM lost on three of five shapes (0.81-0.88x).
+# SMALL_M_MIN_FILL: the least fill of the last round of programs_per_sm x SMs; 0.55 keeps 4096x28672 at M = 32 / 64
+# (0.57 of two rounds of 396) and 8192x10240 at M = 128 (0.61 of 264; 72.6 us vs 72.6 for the tl tile) here.
 SMALL_M_16BIT: Dict[str, Dict[int, WgmmaW4Config]] = {
     "sm90": {32: WgmmaW4Config(32, 4, 3, 3), 64: WgmmaW4Config(64, 4, 3, 3), 128: WgmmaW4Config(128, 4, 3, 2)},
 }
