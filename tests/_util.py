@@ -35,9 +35,22 @@ def gluon_sm90_build(fn, args, consts, divisible=lambda name, typ: False, **opti
     a default and `consts` leaves out takes that default (left out of the signature it would silently become a
     runtime i32, compiling both sides of every branch on it). divisible(name, type): the arguments specialized as
     multiples of 16, as the launcher sees them at aligned shapes. options: compile options (num_warps, maxnreg)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    return _sm90_build(GluonASTSource, fn, args, consts, divisible, options)
+
+
+def tl_sm90_build(fn, args, consts, divisible=lambda name, typ: False, **options):
+    """`gluon_sm90_build` for a @triton.jit (`tl`) kernel (Triton internals: ASTSource); options: num_warps,
+    num_stages."""
+    from triton.compiler import ASTSource
+
+    return _sm90_build(ASTSource, fn, args, consts, divisible, options)
+
+
+def _sm90_build(source, fn, args, consts, divisible, options):
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     consts = dict(consts)
@@ -56,9 +69,29 @@ def gluon_sm90_build(fn, args, consts, divisible=lambda name, typ: False, **opti
             sig[a] = "i32"
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
              if sig[a] != "constexpr" and divisible(a, sig[a])}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()},
-                         attrs=attrs)
+    src = source(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def loads_behind_barriers(sass: str) -> list:
+    """The global loads (LDG) of an sm90 SASS listing that wait behind a CTA barrier (BAR.SYNC) which follows an
+    earlier load of the same stretch of code between tensor-core, copy-engine or store instructions (an epilogue):
+    in a `tl` kernel each vector loaded for the accumulator's layout crosses shared memory between two barriers,
+    so a load written after another one's use is issued only once that exchange is done, and their latencies add
+    up."""
+    import re
+
+    late, seen = [], []
+    for line in sass.splitlines():
+        if re.search(r"\b(IGMMA|HGMMA|QGMMA|STG|UTMASTG|UTMALDG)\.|\bEXIT\b", line):
+            seen = []
+        elif re.search(r"\bLDG\.E\b", line):
+            if "BAR" in seen:
+                late.append(line.strip())
+            seen.append("LDG")
+        elif "BAR.SYNC" in line and seen:
+            seen.append("BAR")
+    return late
 
 
 def sm90_sass(tmp_path, module: str, expression: str):

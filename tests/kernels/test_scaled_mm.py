@@ -817,3 +817,41 @@ def test_blockwise_row_split_equals_one_call(triton_backend, scale_layout):
         assert torch.equal(kmm.scaled_mm_blockwise(a, b, sa, sb, torch.bfloat16, bias, split_rows=rows), whole), rows
     with pytest.raises(ValueError, match="split_rows"):
         kmm.scaled_mm_blockwise(a, b, sa, sb, torch.bfloat16, bias, split_rows=m)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sm90 build (offline, this Triton's ptxas): the epilogue's loads
+# ---------------------------------------------------------------------------------------------------
+def _compile_tl_sm90(dtype: str, azp_mode: int):
+    """`_scaled_mm_kernel` built for sm90 at the shipped large-M tile of its dtype (int8 128x128 / 4 warps, fp8
+    128x256 / 8 warps; both through tensor descriptors, persistent), per-token x per-channel scales + bias."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from tests._util import tl_sm90_build
+
+    torch_dtype = {"int8": INT8, "fp8": FP8}[dtype]
+    block_n, warps = (128, 4) if dtype == "int8" else (256, 8)
+    a, bt = torch.zeros(256, 1024, dtype=torch_dtype), torch.zeros(512, 1024, dtype=torch_dtype)
+    args = dict(a_src=TensorDescriptor(a, list(a.shape), list(a.stride()), [128, 128]),
+                b_src=TensorDescriptor(bt, list(bt.shape), list(bt.stride()), [block_n, 128]),
+                out_ptr="*bf16", ws_ptr="*i32", scale_a_ptr="*fp32", scale_b_ptr="*fp32", bias_ptr="*bf16",
+                azp_adj_ptr="*i32", azp_ptr="*i32")
+    consts = dict(IS_FP8=dtype == "fp8", SCALE_A_PER_ROW=True, SCALE_B_PER_COL=True, HAS_BIAS=True,
+                  AZP_MODE=azp_mode, SPLIT_K=1, EVEN_K=True, BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8,
+                  TMA=True, PERSISTENT=True, PDL=False, INTERPRET=False)
+    return tl_sm90_build(kmm._scaled_mm_kernel, args, consts, lambda _, typ: typ == "i32" or typ.startswith("*"),
+                         num_warps=warps, num_stages=3)
+
+
+@pytest.mark.parametrize("dtype,azp_mode", [("int8", 0), ("int8", 2), ("fp8", 0)])
+def test_sm90_epilogue_issues_its_loads_together(tmp_path, dtype, azp_mode):
+    """The epilogue's vectors (zero points, scales, bias) are loaded before any of them is used: each one crosses
+    shared memory between CTA barriers on its way to the accumulator's layout, and a load written after another
+    one's use waited for that exchange (H100: decode up to 1.08x, results/tune_scaled_mm_epilogue_loads.json)."""
+    import re
+
+    from tests._util import loads_behind_barriers, sm90_sass
+
+    sass, _ = sm90_sass(tmp_path, "tests.kernels.test_scaled_mm", f"_compile_tl_sm90({dtype!r}, {azp_mode})")
+    assert len(re.findall(r"\bLDG\.E\b", sass)) >= 3 + (2 if azp_mode else 0), "the epilogue's loads are not there"
+    assert loads_behind_barriers(sass) == []

@@ -378,25 +378,37 @@ def _epilogue(
     """acc (int32 or float32) -> float32 result before the final rounding (see module docstring)."""
     m_ok = rm < M
     n_ok = rn < N
-    if AZP_MODE == 1:
-        acc = acc - tl.load(azp_adj_ptr + rn, mask=n_ok, other=0)[None, :]
-    elif AZP_MODE == 2:
+    # every vector load is issued before the first use: each one reaches the accumulator's layout through a
+    # shared-memory exchange with CTA barriers, and a load written after such a use waits behind it (the loads'
+    # latencies came one after another, once per tile)
+    if AZP_MODE != 0:
         adj = tl.load(azp_adj_ptr + rn, mask=n_ok, other=0)
+    if AZP_MODE == 2:
         zp = tl.load(azp_ptr + rm, mask=m_ok, other=0)
+    if APPLY_SCALES:
+        if SCALE_A_PER_ROW:
+            sa = tl.load(scale_a_ptr + rm, mask=m_ok, other=0.0)
+        else:
+            sa = tl.load(scale_a_ptr)
+        if SCALE_B_PER_COL:
+            sb = tl.load(scale_b_ptr + rn, mask=n_ok, other=0.0)
+        else:
+            sb = tl.load(scale_b_ptr)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rn, mask=n_ok, other=0.0)
+    if AZP_MODE == 1:
+        acc = acc - adj[None, :]
+    elif AZP_MODE == 2:
         acc = acc - zp[:, None] * adj[None, :]
     out = acc.to(tl.float32)
     if APPLY_SCALES:
         if SCALE_A_PER_ROW:
-            sa = tl.load(scale_a_ptr + rm, mask=m_ok, other=0.0)[:, None]
-        else:
-            sa = tl.load(scale_a_ptr)
+            sa = sa[:, None]
         if SCALE_B_PER_COL:
-            sb = tl.load(scale_b_ptr + rn, mask=n_ok, other=0.0)[None, :]
-        else:
-            sb = tl.load(scale_b_ptr)
+            sb = sb[None, :]
         out = (sa * sb) * out
     if HAS_BIAS:
-        out = out + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = out + bias.to(tl.float32)[None, :]
     return out
 
 
