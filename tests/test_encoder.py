@@ -1095,3 +1095,49 @@ def test_gemm_bad_arguments(call, words):
             call(a, w, s, b)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sm90 build (offline, this Triton's ptxas): the GEMM epilogues' loads
+# ---------------------------------------------------------------------------------------------------
+def _compile_gemm_sm90(epilogue: str):
+    """`_int8_gemm_kernel` built for sm90 at the shipped 128x128x128 / 4 warps / 3 stages tile and the table's
+    variant of the epilogue (qkv: descriptors + persistent; requant (GELU): and a descriptor store; residual:
+    pointer loads, descriptor store and residual, the int8 residual with column scales of mode 2)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from tests._util import tl_sm90_build
+
+    def desc(dtype, rows, cols):
+        t = torch.zeros(rows, cols, dtype=dtype)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [128, 128])
+
+    code = {"residual": 0, "requant": 1, "qkv": 2}[epilogue]
+    tma = epilogue != "residual"
+    args = dict(a_src=desc(torch.int8, 256, 768) if tma else "*i8", w_src=desc(torch.int8, 768, 768) if tma else "*i8",
+                bias_ptr="*fp32", w_scale_ptr="*fp32", out_scale_ptr="*fp32", res_ptr="*i8",
+                out_ptr="*i8", vt_ptr="*i8", res_scale_vec_ptr="*fp32", a_scale="fp32", res_scale="fp32")
+    if code == 1:
+        args["out_ptr"] = desc(torch.int8, 256, 768)
+    if code == 0:
+        args["out_ptr"], args["res_ptr"] = desc(torch.float16, 256, 768), desc(torch.int8, 256, 768)
+    consts = dict(EPILOGUE=code, RES_MODE=2 if code == 0 else 0, GELU=code == 1, HEAD_DIM=64,
+                  COLUMN_OUT_SCALE=code == 1, COLUMN_RES_SCALE=code == 0, RECIPROCAL=True, ALIGNED_QKV=code == 2,
+                  EVEN_K=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, FAST_GELU=2 if code == 1 else 0,
+                  TMA=tma, PERSISTENT=tma, TMA_EPI=code != 2, PDL=False, INTERPRET=False)
+    return tl_sm90_build(ke._int8_gemm_kernel, args, consts,
+                         lambda name, typ: typ.startswith("*") or (typ == "i32" and name != "vt_rows"),
+                         num_warps=4, num_stages=3)
+
+
+@pytest.mark.parametrize("epilogue", ["qkv", "requant", "residual"])
+def test_sm90_gemm_epilogue_issues_its_loads_together(tmp_path, epilogue):
+    """The vectors of each epilogue (weight scales, bias, requantization or residual column scales) are loaded
+    before any of them is used, so their latencies overlap (results/tune_encoder_epilogue_loads.json)."""
+    import re
+
+    from tests._util import loads_behind_barriers, sm90_sass
+
+    sass, _ = sm90_sass(tmp_path, "tests.test_encoder", f"_compile_gemm_sm90({epilogue!r})")
+    assert len(re.findall(r"\bLDG\.E\b", sass)) >= 3, "the epilogue's loads are not there"
+    assert loads_behind_barriers(sass) == []
