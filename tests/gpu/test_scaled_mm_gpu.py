@@ -300,7 +300,7 @@ def test_rowwise_ws_fp8_within_bound(cfg, m, k, n):
 @needs_ws
 @pytest.mark.parametrize("m,k,n", [(1024, 14336, 4096), (2048 + 100, 28672, 1024 + 8)])
 def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
-    """int8 from 1024 rows with K >= 14336 takes the Gluon kernel by default; fp8, short K and M < 1024 do not."""
+    """int8 from 1024 rows takes the Gluon kernel by default, at long and short K; fp8 and M < 1024 do not."""
     spy = KernelSpy(rw._rowwise_ws_kernel)
     monkeypatch.setattr(rw, "_rowwise_ws_kernel", spy)
     a, b = _operands(m, k, n, INT8)
@@ -316,10 +316,13 @@ def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
     short_k = _operands(m, 4096, n, INT8)
+    assert torch.equal(qf.scaled_mm(*short_k, sa, sb, torch.bfloat16, bias),
+                       _tl_twin(*short_k, sa, sb, torch.bfloat16, bias))
+    assert len(spy.calls) == 3  # the graph capture and short K (its tiles fill a round of SMs)
     fewer_rows = (_operands(1023, k, n, INT8)[0], b)
-    for a_other, b_other in (short_k, fewer_rows, _operands(m, k, n, FP8)):
+    for a_other, b_other in (fewer_rows, _operands(m, k, n, FP8)):
         qf.scaled_mm(a_other, b_other, sa[: a_other.shape[0]], sb, torch.bfloat16, bias)
-    assert len(spy.calls) == 2  # the graph capture only
+    assert len(spy.calls) == 3
 
 
 @needs_ws

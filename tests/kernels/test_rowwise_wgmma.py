@@ -41,11 +41,14 @@ def sm90(monkeypatch):
 
 
 @pytest.mark.parametrize("m,k,n,takes_ws", [
-    # int8 from 1024 rows with K >= 14336 (the measured wins: tune_scaled_mm_ws.json)
+    # int8 from 1024 rows at any K, where its 128x256 tiles fill one round of 132 SMs (125.4 at WAVE_TOLERANCE):
+    # the measured wins of tune_scaled_mm_ws.json and tune_scaled_mm_ws_store.json
     (1024, 14336, 4096, True), (1024, 28672, 8192, True), (4096, 28672, 8192, True), (4096, 14336, 4096, True),
-    (1536, 20480, 8192, True),
-    # short K, fewer rows: the tl tiles
-    (4096, 8192, 10240, False), (1024, 4096, 28672, False), (1023, 28672, 8192, False), (16, 28672, 8192, False),
+    (1536, 20480, 8192, True), (4096, 8192, 10240, True), (1024, 4096, 28672, True), (1024, 4096, 4096, True),
+    (1024, 8192, 10240, True), (2048, 4096, 2048, True),
+    # fewer tiles than that, where the last round of the tl tiles is fuller (1024 x 2048: 8 x 8 = 64 tiles, half
+    # a round; 1024 x 1024: a quarter), fewer rows
+    (1024, 4096, 2048, False), (1024, 4096, 1024, False), (1023, 28672, 8192, False), (16, 28672, 8192, False),
 ])
 def test_dispatch_rule(sm90, m, k, n, takes_ws):
     int8 = kmm._pick_config(kmm.CONFIGS, m, n, k, sm90, None, None, "int8", True, True)

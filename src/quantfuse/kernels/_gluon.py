@@ -34,7 +34,8 @@ __all__ = ["GLUON_AVAILABLE", "sm90_exactly", "WS_CONSUMER_REGS", "WS_MAXNREG"]
 if GLUON_AVAILABLE:
     __all__ += ["gluon", "gl", "mbarrier", "mma_v2", "tma", "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait",
                 "TensorDescriptor", "cta_barrier", "fence_async_shared", "tma_load", "tile_coords", "signal_dependents",
-                "ring_load", "fill_tiles", "grid_dependency_sync", "operand_descriptor", "unswizzled_layout"]
+                "ring_load", "fill_tiles", "grid_dependency_sync", "operand_descriptor", "unswizzled_layout",
+                "store_layout"]
 
     _GL_DTYPES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv, torch.float16: gl.float16,
                   torch.bfloat16: gl.bfloat16}
@@ -54,6 +55,15 @@ if GLUON_AVAILABLE:
         wgmma operand or a copy-engine output tile reads or writes)."""
         block = tuple(block)
         return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _default_layout(block, t.dtype))
+
+    @gluon.constexpr_function
+    def store_layout(block_n, bits, num_warps):
+        """A blocked layout of [rows, block_n] tiles in which each thread stores 16 contiguous bytes (whole rows of
+        up to 32 threads): the layout an epilogue converts a wgmma accumulator to before its global stores, since
+        the accumulator's own layout (pairs of adjacent columns per thread) makes 4-byte stores."""
+        vec = 128 // bits  # 16 bytes per thread along N
+        cols = min(block_n // vec, 32)
+        return gl.BlockedLayout([1, vec], [32 // cols, cols], [num_warps, 1], [1, 0])
 
     @gluon.jit
     def tile_coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):

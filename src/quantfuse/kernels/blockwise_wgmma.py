@@ -52,6 +52,7 @@ if GLUON_AVAILABLE:
     from ._gluon import TensorDescriptor as GluonTensorDescriptor
     from ._gluon import cta_barrier as _cta_barrier
     from ._gluon import gl, gluon, mbarrier, operand_descriptor, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+    from ._gluon import store_layout
     from ._gluon import tile_coords as _tile_coords
     from ._gluon import ring_load as _ring_load
     from ._gluon import tma_load as _tma_load
@@ -119,12 +120,6 @@ def applies(a2d: torch.Tensor, b: torch.Tensor, any_m: bool = False) -> bool:
 
 
 if GLUON_AVAILABLE:
-
-    @gluon.constexpr_function
-    def _store_layout(block_n, bits, num_warps):
-        vec = 128 // bits  # 16 bytes per thread along N
-        cols = min(block_n // vec, 32)
-        return gl.BlockedLayout([1, vec], [32 // cols, cols], [num_warps, 1], [1, 0])
 
     @gluon.jit
     def _refill(a_desc, b_desc, a_smem, b_smem, ready, step, k_steps, off_m, off_n, STAGES: gl.constexpr, valid):
@@ -238,7 +233,7 @@ if GLUON_AVAILABLE:
             mbarrier.invalidate(ready.index(s))
 
         # epilogue in a row-major blocked layout: 16-byte stores along N
-        out_layout: gl.constexpr = _store_layout(BLOCK_N, out_ptr.dtype.element_ty.primitive_bitwidth, num_warps)
+        out_layout: gl.constexpr = store_layout(BLOCK_N, out_ptr.dtype.element_ty.primitive_bitwidth, num_warps)
         out = gl.convert_layout(acc, out_layout)
         orows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
         ocols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
@@ -364,7 +359,7 @@ if GLUON_AVAILABLE and _aggregate is not None:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        out_layout: gl.constexpr = _store_layout(BLOCK_N, out_ptr.dtype.element_ty.primitive_bitwidth, 4)
+        out_layout: gl.constexpr = store_layout(BLOCK_N, out_ptr.dtype.element_ty.primitive_bitwidth, 4)
         num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         zero = gl.zeros([HALF, BLOCK_N], gl.float32, mma_layout)

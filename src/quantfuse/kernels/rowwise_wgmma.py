@@ -9,14 +9,16 @@ STAGES shared-memory slots of A [128, 128] and B^T [256, 128] full through the c
 mbarrier pair per slot, zero fill past M, N and K); two consumer warpgroups each own one 64-row half of every
 tile (64x256: two 64x128 accumulators, 128 registers per thread) and chain one K step's pair of wgmma groups
 into them, keeping one step in flight and handing each slot back as soon as the step that read it has retired.
-The epilogue runs in the accumulators' register layout (no layout-conversion scratch: the slots take the shared
-memory), one 128-column half at a time, while the loader already fills the next tile's slots.
+The epilogue runs one 128-column half at a time while the loader already fills the next tile's slots; a 16-bit
+result is rounded in the accumulators' register layout and moved through shared memory into a layout of 16-byte
+stores per thread (the register layout holds pairs of adjacent columns: 4-byte stores), a float32 one is stored
+from the register layout (its exchange would not fit beside four slots).
 
-Measured (H100, tune_scaled_mm_ws.json, same runs as the `tl` tiles): int8 1.05-1.16x at K = 28672 and 1.06-1.10x
-at K = 14336, level at K = 8192, 0.87-0.96x at K = 4096; fp8 0.70-1.01x. The table (scaled_mm.CONFIGS) takes it
-for int8 from 1024 rows with K >= 14336 only: it leads where the main loop dominates (long K). Why it trails at
-short K was not profiled; its epilogue does not overlap a main loop (both consumers work on the same tile) and its
-128x256 tiles come in fewer, coarser waves than the `tl` kernel's two 128x128 programs per SM.
+Measured (H100, bf16 out + bias, CUDA graphs): with the register-layout store (tune_scaled_mm_ws.json) int8 ran
+1.05-1.16x the `tl` tiles at K = 28672, 1.06-1.10x at K = 14336 and 0.87-0.96x at K = 4096; the 16-byte stores made
+it 1.01-1.22x faster (tune_scaled_mm_ws_store.json), 1.01-1.08x the `tl` tiles at K = 4096 and 8192, so the table
+(scaled_mm.CONFIGS) takes it for int8 from 1024 rows at every K; fp8 through it is mixed against the `tl` tiles
+(0.85-1.08x) and stays there.
 
 Scope (`applies`): sm90 exactly, Gluon with aggregates importable, int8 or fp8 e4m3 operands a [M, K] and b^T
 [N, K] both describable (K-contiguous, 16-byte aligned rows and base). The `tl` kernel is the executable twin
@@ -38,6 +40,7 @@ _aggregate = None
 if GLUON_AVAILABLE:
     from ._gluon import gl, gluon, mbarrier, operand_descriptor, warpgroup_mma, warpgroup_mma_wait
     from ._gluon import fill_tiles as _fill_tiles
+    from ._gluon import store_layout
     from ._gluon import tile_coords as _tile_coords
     try:
         from triton.language.core import _aggregate
@@ -83,10 +86,17 @@ if GLUON_AVAILABLE and _aggregate is not None:
         _fill_tiles(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, cfg.GROUP_M, cfg.STAGES)
 
     @gluon.jit
-    def _epilogue(acc, rows, cols, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr, out_ptr, M, N,
+    def _epilogue(acc, row0, col0, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr, out_ptr, M, N,
                   stride_om, cfg):
-        """One 64x128 half of a consumer's tile: corrections in int32, scales, bias, one rounding, stored from
-        the accumulator's register layout (pairs of adjacent columns per thread)."""
+        """One 64x128 half of a consumer's tile (rows row0.., columns col0..): corrections in int32, scales, bias,
+        one rounding. A 16-bit result goes through shared memory into a layout of 16-byte stores per thread
+        (stored from the accumulator's layout, pairs of adjacent columns and 4-byte stores, this kernel ran
+        0.85-0.97x at K = 4096 .. 28672: results/tune_scaled_mm_ws_store.json); a float32 one, whose exchange
+        would not fit beside four slots, is stored from the accumulator's layout."""
+        HALF_M: gl.constexpr = acc.shape[0]
+        HALF_N: gl.constexpr = acc.shape[1]
+        rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, acc.type.layout))
+        cols = col0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, acc.type.layout))
         row_ok = rows < M
         col_ok = cols < N
         if cfg.AZP_MODE == 1:
@@ -105,8 +115,17 @@ if GLUON_AVAILABLE and _aggregate is not None:
         out = (sa * sb) * acc.to(gl.float32)
         if cfg.HAS_BIAS:
             out = out + gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)[None, :]
-        o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
-        gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        OUT_BITS: gl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth
+        if OUT_BITS == 16:
+            out_l: gl.constexpr = store_layout(HALF_N, OUT_BITS, 4)
+            res = gl.convert_layout(out.to(out_ptr.dtype.element_ty), out_l)
+            orows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, out_l))
+            ocols = col0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, out_l))
+            o_ptrs = out_ptr + orows.to(gl.int64)[:, None] * stride_om + ocols[None, :]
+            gl.store(o_ptrs, res, mask=(orows < M)[:, None] & (ocols < N)[None, :])
+        else:
+            o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+            gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @gluon.jit
     def _consumer(a_desc, b_desc, a_smem, b_smem, ready, empty, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
@@ -124,8 +143,6 @@ if GLUON_AVAILABLE and _aggregate is not None:
         ACC_DTYPE: gl.constexpr = gl.int32 if a_desc.dtype == gl.int8 else gl.float32
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 32])
-        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
         num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         c = 0  # this program's running K step (the loader's count)
@@ -147,11 +164,11 @@ if GLUON_AVAILABLE and _aggregate is not None:
             mbarrier.arrive(empty.index((c + k_steps - 1) % STAGES), count=1)
             c += k_steps
 
-            rows = pid_m * BLOCK_M + cfg.CONSUMER * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
-            cols = pid_n * BLOCK_N + gl.arange(0, HALF_N, layout=col_layout)
-            _epilogue(acc0, rows, cols, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr, out_ptr, M, N,
+            row0 = pid_m * BLOCK_M + cfg.CONSUMER * HALF_M
+            col0 = pid_n * BLOCK_N
+            _epilogue(acc0, row0, col0, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr, out_ptr, M, N,
                       stride_om, cfg)
-            _epilogue(acc1, rows, cols + HALF_N, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr, out_ptr,
+            _epilogue(acc1, row0, col0 + HALF_N, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr, out_ptr,
                       M, N, stride_om, cfg)
 
     @gluon.jit

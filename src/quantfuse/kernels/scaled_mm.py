@@ -26,9 +26,10 @@ Design:
   tiles, zero fill past M, N and K (`tma_applies`: K-contiguous a and b^T with 16-byte aligned rows; else the
   table's pointer-load candidates run); at large M a persistent grid of one or two programs per SM whose
   flattened tile loop issues the next tile's loads under this tile's epilogue (MMConfig.tma / persistent).
-- sm90 int8 from 1024 rows with K >= 14336 (a WsConfig in the table): the warp-specialized Gluon kernel of
-  rowwise_wgmma.py (a copy-engine loader partition, two consumer warpgroups on 128x256 tiles), 1.05-1.16x these
-  tiles there; the `tl` kernel stays its twin everywhere else and on the CPU.
+- sm90 int8 from 1024 rows (a WsConfig in the table, taken where its tiles fill one round of the SMs): the
+  warp-specialized Gluon kernel of rowwise_wgmma.py (a copy-engine loader partition, two consumer warpgroups on
+  128x256 tiles), 1.01-1.08x these tiles at K = 4096 / 8192 and more at longer K; the `tl` kernel stays its twin
+  everywhere else and on the CPU.
 - Row split (`row_split`, GPU; scaled_mm and scaled_mm_blockwise): an M a few rows past whole rounds of tiles
   (1040 = 1024 + 16 at 14336x4096) runs as two calls into one output, the whole rounds and a decode-sized rest,
   where the model (ROW_SPLIT) says the rest is shorter than the extra, part-filled round of tiles it replaces
@@ -146,11 +147,14 @@ _SM90_INT8_LARGE_M = [MMConfig(128, 128, 128, 4, 3, tma=True, persistent=2), MMC
 # int8 from 2048 rows with K >= 16384: 128x256 / 8 warps / 1 program per SM leads (tune_scaled_mm_tma.json,
 # 4096x28672x8192: 1470 us vs 1621 for the 128x128 / 2-per-SM row; at 1024 rows it lost, 379 vs 351).
 _SM90_INT8_LONG_K = [MMConfig(128, 256, 128, 8, 3, tma=True, persistent=1)] + _SM90_INT8_LARGE_M
-# int8 from 1024 rows with K >= 14336: the warp-specialized Gluon kernel (WsConfig; rowwise_wgmma.py), in one
-# run against the shipped tiles, two device calls (tune_scaled_mm_ws.json, per-token x per-channel + bias, bf16
-# out, CUDA graphs): 1.05-1.16x at K = 28672 (1024x28672x8192 325 vs 353 us, 4096x28672x8192 1309 vs 1516),
-# 1.06-1.10x at K = 14336, 0.98-1.03x at K = 8192 and 0.87-0.96x at K = 4096, where it is not taken; fp8 lost or
-# tied on every shape (0.70-1.01x), so fp8 keeps the tl tiles.
+# int8 from 1024 rows: the warp-specialized Gluon kernel (WsConfig; rowwise_wgmma.py). First taken from K = 14336
+# (tune_scaled_mm_ws.json: 1.05-1.16x at K = 28672, 1.06-1.10x at K = 14336, 0.87-0.96x at K = 4096); since its
+# epilogue stores 16-bit results through a layout of 16-byte stores (tune_scaled_mm_ws_store.json, one call, the
+# six Llama-3 shapes at M = 1024 and 4096, bf16 out + bias, CUDA graphs) it is 1.01-1.22x its former self and
+# 1.01-1.08x the tl tiles at K = 4096 and 8192 (4096x4096x4096 102.3 us vs 108.6, 1024x8192x10240 135.3 vs 143.3,
+# 4096x4096x28672 725 vs 776), so it runs at every K; `_pick_config` takes it where its 128x256 tiles fill one
+# round of the SMs. fp8 through it: 0.85-1.08x the tl tiles, mixed (1024x4096x6144 0.85, 4096x4096x6144 1.08), so
+# fp8 keeps the tl tiles.
 _SM90_INT8_WS = WsConfig(128, 256, 4, 8)
 CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": _SM90_SMALL_M + [
@@ -161,11 +165,9 @@ CONFIGS: Dict[str, List[Bucket]] = {
     # int8 operands: the same small-M rows, their own large-M tile (consulted when the table has this key)
     "sm90_int8": _SM90_SMALL_M + [
         (1023, _SM90_INT8_LARGE_M),
-        (2047, _BIG, 14336, [_SM90_INT8_WS] + _SM90_INT8_LARGE_M),
-        (2047, _SM90_INT8_LARGE_M),
+        (2047, [_SM90_INT8_WS] + _SM90_INT8_LARGE_M),
         (_BIG, _BIG, 16384, [_SM90_INT8_WS] + _SM90_INT8_LONG_K),
-        (_BIG, _BIG, 14336, [_SM90_INT8_WS] + _SM90_INT8_LARGE_M),
-        (_BIG, _SM90_INT8_LARGE_M),
+        (_BIG, [_SM90_INT8_WS] + _SM90_INT8_LARGE_M),
     ],
     "default": [
         (16, [MMConfig(16, 64, 128, 4, 3)]),
@@ -249,9 +251,13 @@ SPLIT_K_MAX_M = 256
 # rowwise int8 / fp8 with 128x128 tiles two per SM, whole rounds of 1024 x 4096 x 14336 83 us, 1040 rows 158 us, a
 # 16-row call 28 us, at 4096 x 4096 32 / 48 / 15 us (left whole); blockwise (one 128x128 program per SM, rounds of
 # 512 rows) at 14336 x 4096: 109 / 162 us, rests of 16 / 76 / 256 rows 30 / 50 / 73 us (the last left whole).
+# The rowwise decode rate was 1.3e15 until int8 ran the Gluon kernel at K = 4096 / 8192: that rate split 1024 x
+# 10240 x 8192 into 768 + 256 rows, 165 us against 135 us for the one call (the 256-row call ~75 us, about 6.4e14 of
+# products a second: scaled_mm.json and tune_scaled_mm_ws_store.json, stop 56); tails of a few rows stream the
+# weight and do not reach the rate.
 ROW_SPLIT: Dict[str, Dict[str, object]] = {
     "sm90": dict(ops_per_s=1.3e15, bytes_per_s=2.5e12, fixed_s=8e-6, max_tail_fraction=0.9,
-                 tail_ops_per_s={"rowwise": 1.3e15, "blockwise": 3e14}),
+                 tail_ops_per_s={"rowwise": 6e14, "blockwise": 3e14}),
 }
 
 
@@ -663,7 +669,12 @@ def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple
         candidates = [c for c in candidates if not c.tma] or candidates
     if not _autotune_enabled() or len(candidates) == 1:
         if m > SPLIT_K_MAX_M and len(candidates) > 1:
-            return _wave_pick(candidates, m, n, sm_count(device))
+            first, sms = candidates[0], sm_count(device)
+            # the persistent Gluon kernel's measured wins include part-full last rounds (1024x8192x10240: 320
+            # tiles on 132 SMs, 1.06x); below one round of tiles the tl tiles' finer grid fills the GPU better
+            if isinstance(first, WsConfig) and cdiv(m, first.block_m) * cdiv(n, first.block_n) >= WAVE_TOLERANCE * sms:
+                return first
+            return _wave_pick(candidates, m, n, sms)
         return candidates[0]
     if key not in _tuned:
         # opt-in: time each candidate once for this exact shape (not inside graph capture)
