@@ -91,8 +91,8 @@ if GLUON_AVAILABLE and _aggregate is not None:
         """One 64x128 half of a consumer's tile (rows row0.., columns col0..): corrections in int32, scales, bias,
         one rounding. A 16-bit result goes through shared memory into a layout of 16-byte stores per thread
         (stored from the accumulator's layout, pairs of adjacent columns and 4-byte stores, this kernel ran
-        0.85-0.97x at K = 4096 .. 28672: results/tune_scaled_mm_ws_store.json); a float32 one, whose exchange
-        would not fit beside four slots, is stored from the accumulator's layout."""
+        0.82-0.99x as fast at K = 4096 .. 28672: results/tune_scaled_mm_ws_store.json); a float32 one, whose
+        exchange would not fit beside four slots, is stored from the accumulator's layout."""
         HALF_M: gl.constexpr = acc.shape[0]
         HALF_N: gl.constexpr = acc.shape[1]
         rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, acc.type.layout))
