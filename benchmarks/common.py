@@ -16,6 +16,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import sys
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -216,25 +217,25 @@ WEIGHT_ONLY_DIVISIBLE = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_pt
 
 def compile_sm90(fn, constexprs: Dict[str, object], types: Dict[str, str], num_warps: int, num_stages: int,
                  divisible: Optional[Sequence[str]] = None):
-    """Compile a @triton.jit kernel for sm90 without a GPU (Triton's bundled ptxas; Triton internals:
-    ASTSource, GPUTarget) and return the compiled kernel (.asm["ptx" | "cubin"], .metadata).
+    """Compile a @triton.jit kernel for sm90 without a GPU (Triton's bundled ptxas; tests/_util.tl_sm90_build, the
+    one copy of the Triton internals this needs) and return the compiled kernel (.asm["ptx" | "cubin"], .metadata).
 
-    constexprs: values by argument name (names the kernel lacks are ignored); types: Triton types of the
-    other arguments ("*bf16", "fp32", ...), "i32" where not named; divisible: the arguments specialized as
-    multiples of 16, as the launcher would see them (default: every pointer and i32 argument)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    constexprs: values by argument name (names the kernel lacks are ignored; a constexpr left out takes its default);
+    types: Triton types of the other arguments ("*bf16", "fp32", ...), "i32" where not named; divisible: the
+    arguments specialized as multiples of 16, as the launcher would see them (default: every pointer and i32
+    argument)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:  # tests/ lives beside benchmarks/
+        sys.path.insert(0, root)
+    from tests._util import tl_sm90_build
 
     names = fn.arg_names
     consts = {a: v for a, v in constexprs.items() if a in names}
-    sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in names}
-    if divisible is None:
-        divisible = [a for a in names if sig[a] == "i32" or sig[a].startswith("*")]
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible if a in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(a),): v for a, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    args = {a: t for a, t in types.items() if a in names and a not in consts}
+    wanted = None if divisible is None else set(divisible)
+    return tl_sm90_build(fn, args, consts,
+                         lambda name, typ: name in wanted if wanted is not None else typ == "i32" or typ.startswith("*"),
+                         num_warps=num_warps, num_stages=num_stages)
 
 
 def cubin_resources(cubin: bytes) -> Dict[str, int]:

@@ -1104,13 +1104,11 @@ def _compile_gemm_sm90(epilogue: str):
     """`_int8_gemm_kernel` built for sm90 at the shipped 128x128x128 / 4 warps / 3 stages tile and the table's
     variant of the epilogue (qkv: descriptors + persistent; requant (GELU): and a descriptor store; residual:
     pointer loads, descriptor store and residual, the int8 residual with column scales of mode 2)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+    from quantfuse.kernels._common import descriptor
     from tests._util import tl_sm90_build
 
     def desc(dtype, rows, cols):
-        t = torch.zeros(rows, cols, dtype=dtype)
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [128, 128])
+        return descriptor(torch.zeros(rows, cols, dtype=dtype), [128, 128])
 
     code = {"residual": 0, "requant": 1, "qkv": 2}[epilogue]
     tma = epilogue != "residual"

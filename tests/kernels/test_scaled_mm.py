@@ -828,15 +828,12 @@ def test_blockwise_row_split_equals_one_call(triton_backend, scale_layout):
 def _compile_tl_sm90(dtype: str, azp_mode: int):
     """`_scaled_mm_kernel` built for sm90 at the shipped large-M tile of its dtype (int8 128x128 / 4 warps, fp8
     128x256 / 8 warps; both through tensor descriptors, persistent), per-token x per-channel scales + bias."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     from tests._util import tl_sm90_build
 
     torch_dtype = {"int8": INT8, "fp8": FP8}[dtype]
     block_n, warps = (128, 4) if dtype == "int8" else (256, 8)
     a, bt = torch.zeros(256, 1024, dtype=torch_dtype), torch.zeros(512, 1024, dtype=torch_dtype)
-    args = dict(a_src=TensorDescriptor(a, list(a.shape), list(a.stride()), [128, 128]),
-                b_src=TensorDescriptor(bt, list(bt.shape), list(bt.stride()), [block_n, 128]),
+    args = dict(a_src=kmm.descriptor(a, [128, 128]), b_src=kmm.descriptor(bt, [block_n, 128]),
                 out_ptr="*bf16", ws_ptr="*i32", scale_a_ptr="*fp32", scale_b_ptr="*fp32", bias_ptr="*bf16",
                 azp_adj_ptr="*i32", azp_ptr="*i32")
     consts = dict(IS_FP8=dtype == "fp8", SCALE_A_PER_ROW=True, SCALE_B_PER_COL=True, HAS_BIAS=True,
