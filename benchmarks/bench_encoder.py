@@ -25,7 +25,10 @@ graphs for anyone, full-length sequences with an all-ones attention_mask unless 
   also in stream order (the table's `pdl_layernorm_max_tokens` set to 0); *_no_attn_pdl_us: the attention behind
   the QKV GEMM likewise (`pdl_attention_max_tokens`). mode2_graph_one_stream_us / padded_graph_one_stream_us:
   where a captured forward splits its batch over two streams (`stream_split_min_tokens`), the same forwards with
-  streams=1 (= mode2_graph_us / padded_graph_us where it does not split).
+  streams=1 (= mode2_graph_us / padded_graph_us where it does not split). dense_half_graph_us: mode 1 graphed on
+  full-length sequences of seq / 2 tokens (no mask, nothing to pack): about the packed batch's token count with
+  none of padding removal's own work, so packing_ceiling = padded_graph_us / dense_half_graph_us bounds what any
+  padding removal could reach with these kernels.
 
 Whole run: meant to stay under 150 s on one H100 (the torch.compile of each shape dominates; if the compiles
 would exceed COMPILE_BUDGET_S (80 s), the remaining shapes get compile_us = null and the peer is
@@ -62,7 +65,8 @@ COLUMNS = ["batch", "seq", "tokens", "hf_us", "compile_us", "mode1_us", "mode2_u
            "mode1_graph_us", "mode2_graph_us", "graph_speedup_mode1", "graph_speedup_mode2", "packed_graph_us",
            "padded_graph_us", "packing_graph_speedup", "mode2_graph_no_pdl_us",
            "mode2_graph_no_ln_pdl_us", "packed_graph_no_ln_pdl_us", "mode2_graph_no_attn_pdl_us",
-           "packed_graph_no_attn_pdl_us", "mode2_graph_one_stream_us", "padded_graph_one_stream_us"]
+           "packed_graph_no_attn_pdl_us", "mode2_graph_one_stream_us", "padded_graph_one_stream_us",
+           "dense_half_graph_us", "packing_ceiling"]
 
 
 def build_model(cfg_kwargs, device, dtype):
@@ -190,6 +194,13 @@ def main(argv=None) -> None:
             packed_fn(*packs[0])
         packed_g = graphed(packed_fn, packs)
         padded_g = graphed(enc_fn(encoders[1], False), var_sets)
+        # the most padding removal can give with this engine: mode 1 on full-length sequences of half the length
+        # (about the packed token count, nothing to pack or mask), graphed
+        half_sets = [random_inputs(batch, max(1, seq // 2), vocab, device) for _ in range(2)]
+        half_fn = lambda ids, mask: encoders[1](ids, None, remove_padding=False)  # noqa: E731
+        if dry:
+            half_fn(*half_sets[0])
+        half_g = graphed(half_fn, half_sets)
         # ablation: mode 2 graphed with its kernels launched in plain stream order (no programmatic
         # dependent launch), the same run
         dev = torch.device(device)
@@ -243,6 +254,8 @@ def main(argv=None) -> None:
             "packed_graph_no_attn_pdl_us": _us(ablated["attention"][1]),
             "mode2_graph_one_stream_us": _us(one_stream["mode2"] if splits else m2_g),
             "padded_graph_one_stream_us": _us(one_stream["padded"] if splits else padded_g),
+            "dense_half_graph_us": _us(half_g),
+            "packing_ceiling": _ratio(padded_g, half_g) if padded_g and half_g else None,
         })
         print(rows[-1], f"({time.perf_counter() - t_start:.0f} s)", flush=True)
 

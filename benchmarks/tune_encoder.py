@@ -20,6 +20,7 @@ Writes tune_encoder.json (rows with part, shape, config, us, and the peers' us).
 candidates and runs one of each on CPU under the interpreter with tiny shapes.
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_encoder.py
 Narrowing (environment): TUNE_M=1024,4096 (GEMM rows), TUNE_TILES=128x128x128x4x3,... (GEMM tiles),
+TUNE_SPLITS=1,2,4 (K splits per tile; default auto, the table's rule),
 TUNE_RECIP=1 / TUNE_FAST_GELU=0,1 (epilogue options), TUNE_GEMMS=o,fc2 (which GEMMs),
 TUNE_FC1_NOGELU=1 (FC1 without GELU, its cost), TUNE_ATTN=one_pass (the one-pass attention tiles),
 TUNE_ALIGNED=0,1 (16-aligned sequence starts),
@@ -55,6 +56,10 @@ GEMM_TILES = [
 # an optional subset of GEMM_TILES, e.g. TUNE_TILES=128x128x128x4x3,128x64x128x4x4
 if os.environ.get("TUNE_TILES"):
     GEMM_TILES = [tuple(int(v) for v in t.split("x")) for t in os.environ["TUNE_TILES"].split(",")]
+# K splits per output tile (TUNE_SPLITS=1,2,4; "auto": the launcher's table rule), tried where the tiles alone leave
+# SMs idle (SMS: the H100's 132)
+GEMM_SPLITS = [None if v == "auto" else int(v) for v in os.environ.get("TUNE_SPLITS", "auto").split(",")]
+SMS = 132
 # TUNE_FC1_NOGELU=1 adds fc1's GEMM with the requantizing epilogue but no GELU (what the GELU costs)
 if os.environ.get("TUNE_FC1_NOGELU") == "1":
     GEMMS = GEMMS + [("fc1_nogelu", INTER, HIDDEN)]
@@ -108,26 +113,32 @@ if os.environ.get("TUNE_ATTN_CONFIGS"):
 def candidates():
     recips = [r == "1" for r in os.environ.get("TUNE_RECIP", "0,1").split(",")]
     fasts = [int(f) for f in os.environ.get("TUNE_FAST_GELU", "1").split(",")]
-    gemm = [(name, m, n, k, tile, recip, fast) for name, n, k in GEMMS for m in GEMM_M for tile in GEMM_TILES
+    gemm = [(name, m, n, k, tile, recip, fast, split) for name, n, k in GEMMS for m in GEMM_M for tile in GEMM_TILES
             for recip in (recips if name in ("qkv", "fc1", "fc1_nogelu") else (False,))
-            for fast in (fasts if name == "fc1" else (None,))]
+            for fast in (fasts if name == "fc1" else (None,))
+            for split in GEMM_SPLITS
+            # a split only where the tiles leave SMs idle (the launcher's rule, `_pick_split_k`) and each split
+            # keeps two K steps
+            if split is None or split == 1 or (2 * -(-m // tile[0]) * -(-n // tile[1]) <= SMS
+                                               and split * -(-m // tile[0]) * -(-n // tile[1]) <= SMS
+                                               and -(-k // tile[2]) >= 2 * split)]
     attn = [(b, s, dict(cfg, aligned=True) if aligned else cfg) for b, s in ATTN_SHAPES for cfg in ATTN_CONFIGS
             for aligned in ATTN_ALIGNED
             if not ATTN_VARLEN or (not aligned and cfg.get("one_pass", False) == (s <= 128))]
     return gemm, attn
 
 
-def gemm_call(name, a, w, w_scale, bias, out_scale, residual, tile, recip, fast=None):
+def gemm_call(name, a, w, w_scale, bias, out_scale, residual, tile, recip, fast=None, split=None):
     from quantfuse.kernels import encoder as ke
 
     if name == "qkv":
         head_dim = HIDDEN // HEADS
         return ke.int8_gemm(a, w, 0.02, w_scale, bias, "qkv", out_scale=out_scale, heads=w.shape[0] // 3 // head_dim,
-                            head_dim=head_dim, config=tile, reciprocal=recip)
+                            head_dim=head_dim, config=tile, reciprocal=recip, split_k=split)
     if name in ("fc1", "fc1_nogelu"):
         return ke.int8_gemm(a, w, 0.02, w_scale, bias, "requant", out_scale=out_scale, gelu=name == "fc1",
-                            config=tile, reciprocal=recip, fast_gelu=fast)
-    return ke.int8_gemm(a, w, 0.02, w_scale, bias, "residual", residual=residual, config=tile)
+                            config=tile, reciprocal=recip, fast_gelu=fast, split_k=split)
+    return ke.int8_gemm(a, w, 0.02, w_scale, bias, "residual", residual=residual, config=tile, split_k=split)
 
 
 def gemm_inputs(name, m, n, k, device):
@@ -232,7 +243,7 @@ def tune_gemms(rows, deadline, dry):
     done = set()
     peers = {}
     inputs_by_shape = {}
-    for name, m, n, k, tile, recip, fast in gemm_cands:
+    for name, m, n, k, tile, recip, fast, split in gemm_cands:
         if dry:
             m, n, k = 33, min(n, 192), 64
             if (name, recip, fast) in done:
@@ -243,7 +254,7 @@ def tune_gemms(rows, deadline, dry):
             print("budget reached in the gemm sweep", flush=True)
             return
         if dry:
-            gemm_call(name, *gemm_inputs(name, m, n, k, device), tile, recip, fast)
+            gemm_call(name, *gemm_inputs(name, m, n, k, device), tile, recip, fast, 2)
             print("dry gemm", name, recip, fast, "ok", flush=True)
             continue
         # CUDA-graph timing over ROTATE input sets: the eager launch cost of this host (tens of us) would
@@ -262,13 +273,13 @@ def tune_gemms(rows, deadline, dry):
             )
             del fp16
         try:
-            us = 1e3 * time_ms(lambda *args: gemm_call(name, *args, tile, recip, fast), sets, graph=True)
+            us = 1e3 * time_ms(lambda *args: gemm_call(name, *args, tile, recip, fast, split), sets, graph=True)
         except Exception as err:  # noqa: BLE001 -- a tile the compiler rejects (resources) is skipped
             print(f"gemm {name} M={m} {tile} failed: {type(err).__name__}", flush=True)
             continue
         tops = 2 * m * n * k / (us * 1e-6) / 1e12
         row = dict(part="gemm", gemm=name, M=m, N=n, K=k, tile=str(tile), reciprocal=recip, fast_gelu=fast,
-                   us=round(us, 1),
+                   split_k=split, us=round(us, 1),
                    tops=round(tops, 1), **{p: round(v, 1) for p, v in peers[key].items()})
         row["vs_fp16"] = round(peers[key]["fp16_us"] / us, 3)
         row["vs_int_mm"] = round(peers[key]["int_mm_us"] / us, 3)
@@ -280,7 +291,8 @@ def tune_gemms(rows, deadline, dry):
                 cands = [r for r in rows if r.get("part") == "gemm" and r["gemm"] == name and r["M"] == m]
                 if cands:
                     b = min(cands, key=lambda r: r["us"])
-                    print(f"  {name:4s} M={m:6d}: {b['tile']} recip={b['reciprocal']} fast={b['fast_gelu']} "
+                    print(f"  {name:4s} M={m:6d}: {b['tile']} split={b['split_k']} recip={b['reciprocal']} "
+                          f"fast={b['fast_gelu']} "
                           f"{b['us']} us {b['tops']} TOPS (fp16 {b['fp16_us']} us, int_mm {b['int_mm_us']} us)")
 
 

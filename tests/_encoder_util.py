@@ -41,10 +41,14 @@ def int8(*shape, device="cpu"):
     return torch.randint(-128, 128, shape, dtype=torch.int8, device=device)
 
 
-def gemm_case(kind, m, n, k, device, heads=2, residual=None, column=False, config=None):
+def gemm_case(kind, m, n, k, device, heads=2, residual=None, column=False, config=None, split_k=None,
+              inputs_seed=None):
     """Run one fused GEMM through the kernel and the reference; returns (kernel, reference) outputs.
     column: per-column requantization / int8-residual scales (a smoothed encoder's epilogues);
-    config: a forced (block_m, block_n, block_k, num_warps, num_stages) tile."""
+    config: a forced (block_m, block_n, block_k, num_warps, num_stages) tile; split_k: forced K splits;
+    inputs_seed: draw the inputs from this seed (the same inputs for two calls)."""
+    if inputs_seed is not None:
+        torch.manual_seed(inputs_seed)
     a = int8(m, k, device=device)
     w = int8(n, k, device=device)
     # scales that put the dequantized values in a range where requantization is non-trivial
@@ -75,7 +79,7 @@ def gemm_case(kind, m, n, k, device, heads=2, residual=None, column=False, confi
     with ops.backend("triton"):
         from quantfuse.kernels import encoder as ke
 
-        out = ke.int8_gemm(a, w, a_scale, w_scale, bias, epilogue, config=config, **kwargs)
+        out = ke.int8_gemm(a, w, a_scale, w_scale, bias, epilogue, config=config, split_k=split_k, **kwargs)
     return out, ref
 
 

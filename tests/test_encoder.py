@@ -87,7 +87,7 @@ def test_gemm_qkv_vt_rows_rounded_to_16_where_they_fit(monkeypatch, m, vt_stride
     u.assert_int8_close(out[0], ref[0])
     u.assert_int8_close(out[1][:, :, :m], ref[1][:, :, :m])
     args = spy.calls[-1]["args"]
-    assert (args[8], args[15], args[16]) == (m, vt_stride, vt_rows)  # M, stride_vt, vt_rows
+    assert (args[10], args[17], args[18]) == (m, vt_stride, vt_rows)  # M, stride_vt, vt_rows
     with pytest.raises(ValueError, match="vt_stride"):
         ke.int8_gemm(a, w, 0.02, w_scale, bias, "qkv", **dict(kwargs, vt_stride=m - 1))
 
@@ -107,6 +107,76 @@ def test_gemm_tma_persistent_variants(variant, kind, residual, m, k, monkeypatch
     out, ref = u.gemm_case(kind, m, n, k, DEV, heads=2, residual=residual, config=(16, 32, 32, 4, 2) + variant)
     u.assert_gemm_close(kind, out, ref, m)
     assert spy.calls[-1]["TMA_EPI"] == (len(variant) == 3 and kind != "qkv")
+
+
+@pytest.mark.parametrize("kind,residual", [("qkv", None), ("requant", None), ("residual", "fp16"),
+                                           ("residual", "int8")])
+@pytest.mark.parametrize("m,k,splits,variant", [(1, 96, 3, ()), (37, 224, 2, ()), (37, 224, 5, ()),
+                                                (70, 80, 4, (1, 0)), (37, 224, 3, (1, 0, 1))],
+                         ids=["m1_k96_s3", "m37_k224_s2", "m37_k224_s5", "tma_s4_k80", "tma_epilogue_s3"])
+def test_gemm_split_k_is_the_unsplit_result(kind, residual, m, k, splits, variant, monkeypatch):
+    # each split's int32 partial, summed exactly by the tile's last program: the same outputs as one program
+    # over the whole K (a K not a multiple of the K tile leaves the last split a masked tail; splits take equal
+    # shares of the K steps, so 5 splits of 7 steps become 4 and 4 splits of 3 steps 3); the arrival counters end
+    # at zero for the next launch
+    spy = KernelSpy(ke._int8_gemm_kernel)
+    monkeypatch.setattr(ke, "_int8_gemm_kernel", spy)
+    n = 3 * 64 if kind == "qkv" else 96
+    config = (16, 32, 32, 4, 2) + variant
+    split, ref = u.gemm_case(kind, m, n, k, DEV, residual=residual, config=config, split_k=splits, inputs_seed=5)
+    steps = -(-k // 32)
+    assert spy.calls[-1]["SPLIT_K"] == -(-steps // -(-steps // splits))  # equal shares: 7 steps in 5 -> 4 of 2
+    whole, _ = u.gemm_case(kind, m, n, k, DEV, residual=residual, config=config, split_k=1, inputs_seed=5)
+    assert spy.calls[-1]["SPLIT_K"] == 1
+    u.assert_gemm_close(kind, split, ref, m)
+    if kind == "qkv":  # V^T's rows past the m tokens are padding, never written
+        assert torch.equal(split[0], whole[0]) and torch.equal(split[1][:, :, :m], whole[1][:, :, :m])
+    else:
+        assert torch.equal(split, whole)
+    tiles = -(-m // 16) * -(-n // 32)
+    assert int(ke.tile_counters(torch.device(DEV), tiles).abs().sum()) == 0
+
+
+def test_gemm_split_k_without_counters_runs_whole(monkeypatch):
+    # no counter slot (a CUDA graph captured before any eager call, too many streams): one program per tile
+    spy = KernelSpy(ke._int8_gemm_kernel)
+    monkeypatch.setattr(ke, "_int8_gemm_kernel", spy)
+    monkeypatch.setattr(ke, "tile_counters", lambda device, tiles: None)
+    out, ref = u.gemm_case("residual", 20, 64, 128, DEV, residual="fp16", config=(16, 32, 32, 4, 2), split_k=4)
+    u.assert_gemm_close("residual", out, ref, 20)
+    assert spy.calls[-1]["SPLIT_K"] == 1
+
+
+@pytest.mark.parametrize("split_k", [0, -1, 2.0, True])
+def test_gemm_split_k_rejects_bad_values(split_k):
+    a, w = u.int8(8, 64), u.int8(32, 64)
+    with pytest.raises(ValueError, match="split_k"):
+        ke.int8_gemm(a, w, 0.02, torch.ones(32), torch.zeros(32), "residual", split_k=split_k)
+
+
+def test_gemm_split_k_refuses_a_persistent_grid():
+    a, w = u.int8(8, 64), u.int8(32, 64)
+    with pytest.raises(ValueError, match="split_k.*persistent"):
+        ke.int8_gemm(a, w, 0.02, torch.ones(32), torch.zeros(32), "residual", config=(16, 32, 32, 4, 2, 0, 2),
+                     split_k=2)
+
+
+def test_gemm_split_k_table_rule(monkeypatch):
+    # sm90: FC2 (K = 3072, 24 steps of 128) on 64x64 tiles splits 4 ways at 64 tokens (12 tiles) and 2 at 128 (24),
+    # the grid within 48 programs; not from 256 tokens (48 tiles); the K = 768 GEMMs (6 steps) never; past
+    # max_tokens never; a GPU with fewer SMs than max_programs caps the grid at one wave
+    monkeypatch.setattr(ke, "_table", lambda device: ke.ENCODER_CONFIGS["sm90"])
+    monkeypatch.setattr(ke, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert ke._pick_split_k(cpu, 64, 12, 24) == 4
+    assert ke._pick_split_k(cpu, 128, 24, 24) == 2
+    assert ke._pick_split_k(cpu, 256, 48, 24) == 1
+    assert ke._pick_split_k(cpu, 64, 12, 6) == 1
+    assert ke._pick_split_k(cpu, 2048, 12, 24) == 1
+    monkeypatch.setattr(ke, "sm_count", lambda device: 30)
+    assert ke._pick_split_k(cpu, 64, 12, 24) == 2
+    monkeypatch.setattr(ke, "_table", lambda device: ke.ENCODER_CONFIGS["default"])
+    assert ke._pick_split_k(cpu, 64, 12, 24) == 1  # no rule: whole tiles
 
 
 def test_gemm_table_variants_by_epilogue(monkeypatch):
@@ -1100,10 +1170,12 @@ def test_gemm_bad_arguments(call, words):
 # ---------------------------------------------------------------------------------------------------
 # The sm90 build (offline, this Triton's ptxas): the GEMM epilogues' loads
 # ---------------------------------------------------------------------------------------------------
-def _compile_gemm_sm90(epilogue: str):
+def _compile_gemm_sm90(epilogue: str, split_k: int = 1):
     """`_int8_gemm_kernel` built for sm90 at the shipped 128x128x128 / 4 warps / 3 stages tile and the table's
     variant of the epilogue (qkv: descriptors + persistent; requant (GELU): and a descriptor store; residual:
-    pointer loads, descriptor store and residual, the int8 residual with column scales of mode 2)."""
+    pointer loads, descriptor store and residual, the int8 residual with column scales of mode 2); with split_k > 1
+    the residual epilogue as the small-token table runs it: the 64x64x128 / 4 warps / 4 stages tile, pointers
+    throughout, K split."""
     from quantfuse.kernels._common import descriptor
     from tests._util import tl_sm90_build
 
@@ -1112,20 +1184,26 @@ def _compile_gemm_sm90(epilogue: str):
 
     code = {"residual": 0, "requant": 1, "qkv": 2}[epilogue]
     tma = epilogue != "residual"
+    split = split_k > 1
     args = dict(a_src=desc(torch.int8, 256, 768) if tma else "*i8", w_src=desc(torch.int8, 768, 768) if tma else "*i8",
                 bias_ptr="*fp32", w_scale_ptr="*fp32", out_scale_ptr="*fp32", res_ptr="*i8",
-                out_ptr="*i8", vt_ptr="*i8", res_scale_vec_ptr="*fp32", a_scale="fp32", res_scale="fp32")
+                out_ptr="*i8", vt_ptr="*i8", part_ptr="*i32", count_ptr="*i32", res_scale_vec_ptr="*fp32",
+                a_scale="fp32", res_scale="fp32")
     if code == 1:
         args["out_ptr"] = desc(torch.int8, 256, 768)
-    if code == 0:
+    if code == 0 and not split:
         args["out_ptr"], args["res_ptr"] = desc(torch.float16, 256, 768), desc(torch.int8, 256, 768)
+    if code == 0 and split:
+        args["out_ptr"] = "*fp16"
+    block = 64 if split else 128
     consts = dict(EPILOGUE=code, RES_MODE=2 if code == 0 else 0, GELU=code == 1, HEAD_DIM=64,
                   COLUMN_OUT_SCALE=code == 1, COLUMN_RES_SCALE=code == 0, RECIPROCAL=True, ALIGNED_QKV=code == 2,
-                  EVEN_K=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, FAST_GELU=2 if code == 1 else 0,
-                  TMA=tma, PERSISTENT=tma, TMA_EPI=code != 2, PDL=False, INTERPRET=False)
+                  EVEN_K=True, BLOCK_M=block, BLOCK_N=block, BLOCK_K=128, GROUP_M=8, FAST_GELU=2 if code == 1 else 0,
+                  TMA=tma, PERSISTENT=tma, TMA_EPI=code != 2 and not split, SPLIT_K=split_k, PDL=False,
+                  INTERPRET=False)
     return tl_sm90_build(ke._int8_gemm_kernel, args, consts,
                          lambda name, typ: typ.startswith("*") or (typ == "i32" and name != "vt_rows"),
-                         num_warps=4, num_stages=3)
+                         num_warps=4, num_stages=4 if split else 3)
 
 
 @pytest.mark.parametrize("epilogue", ["qkv", "requant", "residual"])
@@ -1139,6 +1217,21 @@ def test_sm90_gemm_epilogue_issues_its_loads_together(tmp_path, epilogue):
     sass, _ = sm90_sass(tmp_path, "tests.test_encoder", f"_compile_gemm_sm90({epilogue!r})")
     assert len(re.findall(r"\bLDG\.E\b", sass)) >= 3, "the epilogue's loads are not there"
     assert loads_behind_barriers(sass) == []
+
+
+def test_sm90_split_k_gemm_sums_its_partials_without_a_branch_per_split(tmp_path):
+    """The split-K residual GEMM (mode 2's FC2 at 64..256 tokens): the last program's partial loads and the
+    epilogue's vectors are all issued before any is used (a branch per split had made the partials' latencies
+    consecutive), and the 64x64 tile does not spill."""
+    import re
+
+    from tests._util import loads_behind_barriers, sm90_sass
+
+    sass, usage = sm90_sass(tmp_path, "tests.test_encoder", "_compile_gemm_sm90('residual', 4)")
+    assert len(re.findall(r"\bLDG\.E", sass)) >= 6, "the partials' and the epilogue's loads are not there"
+    assert re.search(r"\bATOMG|\bRED\b", sass), "no arrival counter"
+    assert loads_behind_barriers(sass) == []
+    assert re.search(r"\bLOCAL:0\b", usage) and re.search(r"\bSTACK:0\b", usage), usage
 
 
 def _compile_layernorm_sm90(column_scale: bool):

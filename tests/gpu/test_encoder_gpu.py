@@ -29,6 +29,61 @@ def test_gemm_epilogues_full_size(m, kind, residual):
     u.assert_gemm_close(kind, out, ref, m, tol=2e-3)
 
 
+@pytest.mark.parametrize("m", [1, 64, 128, 200, 1023])
+@pytest.mark.parametrize("kind,residual", [("qkv", None), ("requant", None), ("residual", "fp16"),
+                                           ("residual", "int8")])
+@pytest.mark.parametrize("splits", [None, 2, 3, 4])
+def test_gemm_split_k_full_size(m, kind, residual, splits):
+    # K splits at BERT-base widths (None: the table's rule, which splits FC2 at 64 and 128 tokens): the exact int32
+    # sum of the partials, so the same outputs as one program per tile, launch after launch (the counters reset)
+    n, k = {"qkv": (2304, 768), "requant": (3072, 768), "residual": (768, 3072)}[kind]
+    tile = (64, 64, 128, 4, 4)
+    whole, ref = u.gemm_case(kind, m, n, k, DEV, heads=12, residual=residual, config=tile, split_k=1, inputs_seed=4)
+    u.assert_gemm_close(kind, whole, ref, m, tol=2e-3)
+    for _ in range(3):
+        split, _ = u.gemm_case(kind, m, n, k, DEV, heads=12, residual=residual, config=None if splits is None else tile,
+                               split_k=splits, inputs_seed=4)
+        if kind == "qkv":
+            assert torch.equal(split[0], whole[0]) and torch.equal(split[1][:, :, :m], whole[1][:, :, :m])
+        else:
+            assert torch.equal(split, whole)
+
+
+def test_gemm_split_k_table_rule_on_this_gpu():
+    if ke.arch_key("cuda", 0) != "sm90":
+        pytest.skip("the split rule's numbers are the sm90 table's")
+    dev = torch.device(DEV)
+    tiles = 2 * 12  # FC2 at 128 tokens on 64x64 tiles
+    assert ke._pick_gemm_tile(dev, 128, 768, 3072, "residual")[:2] == (64, 64)
+    assert ke._pick_split_k(dev, 128, tiles, 24) == 2
+
+
+def test_gemm_split_k_replays_in_a_cuda_graph():
+    # the counters of a capture stream's slot start at zero and every replay leaves them at zero
+    torch.manual_seed(5)
+    m, n, k = 96, 768, 3072
+    a, w = u.int8(m, k, device=DEV), u.int8(n, k, device=DEV)
+    w_scale = (torch.rand(n, device=DEV) * 0.01 + 0.002).float()
+    bias = torch.randn(n, device=DEV).float()
+    res = torch.randn(m, n, device=DEV).half()
+    run = lambda: ke.int8_gemm(a, w, 0.02, w_scale, bias, "residual", residual=res,  # noqa: E731
+                               config=(64, 64, 128, 4, 4), split_k=4)
+    expected = ke.int8_gemm(a, w, 0.02, w_scale, bias, "residual", residual=res, config=(64, 64, 128, 4, 4),
+                            split_k=1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for _ in range(5):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("variant", [(1, 0), (0, 1), (1, 1), (1, 2), (0, 0, 1), (1, 2, 1), (1, 1, 0, 1), (1, 1, 1, 1)],
                          ids=["tma", "persistent1", "tma_persistent1", "tma_persistent2", "tma_epilogue",
                               "tma_persistent2_epilogue", "ws_gluon", "ws_gluon_tma_out"])

@@ -7,6 +7,7 @@ import torch
 
 from quantfuse import ops
 from quantfuse import reference as ref
+from quantfuse.kernels import _common
 from quantfuse.kernels import weight_only as kw
 from quantfuse.weights import QuantizedWeight, pack_codes, unpack_codes
 from tests._util import KernelSpy
@@ -312,7 +313,7 @@ def test_fused_split_k_reduction_equals_reduce_kernel(monkeypatch, m):
     fused = kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, bias, 4, 128, n, tile=tile, splits=3)
     counters = kw._tile_counters(x.device, 1)
     assert counters is not None and int(counters.abs().sum()) == 0
-    assert kw._tile_counters(x.device, kw._COUNTER_SLOTS + 1) is None  # too many tiles: the reduce kernel
+    assert kw._tile_counters(x.device, _common.COUNTER_SLOTS + 1) is None  # too many tiles: the reduce kernel
     again = kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, bias, 4, 128, n, tile=tile, splits=3)
     monkeypatch.setattr(kw, "_tile_counters", lambda device, tiles: None)
     separate = kw.fused_mm(x, qw.qweight, qw.scales, qw.zeros, bias, 4, 128, n, tile=tile, splits=3)

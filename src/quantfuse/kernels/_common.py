@@ -436,3 +436,38 @@ def cast_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
         return _bf16_bits(x.to(tl.float32))
     else:
         return x.to(DTYPE)
+
+
+# Per-tile arrival counters of the fused split-K reductions (weight-only GEMMs, the encoder's int8 GEMM): one
+# zeroed int32 slot of COUNTER_SLOTS per stream, from a pool allocated per device at the first eager call (never
+# while a CUDA graph is being captured: the graph's memory pool would own it). Every launch leaves its counters at
+# zero again (the last program of a tile resets its counter) and launches on one stream run one after another, so
+# a slot is reused without a memset; streams (the graph-capture stream too) get different slots, so launches that
+# overlap on different streams never share counters. Without a slot (more than COUNTER_STREAMS streams, more tiles
+# than slots, or a capture before any eager call) the caller reduces another way.
+COUNTER_SLOTS = 1 << 14
+COUNTER_STREAMS = 8
+_COUNTER_POOLS: dict = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> "torch.Tensor | None":
+    """`tiles` zeroed int32 arrival counters for a launch on the current stream of `device`, or None."""
+    if tiles > COUNTER_SLOTS:
+        return None
+    cuda = device.type == "cuda"
+    dev_key = (device.type, device.index)
+    pool = _COUNTER_POOLS.get(dev_key)
+    if pool is None:
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros((COUNTER_STREAMS, COUNTER_SLOTS), dtype=torch.int32, device=device)
+        if cuda:
+            torch.cuda.current_stream(device).synchronize()  # zeroed before any stream uses a slot
+        pool = _COUNTER_POOLS[dev_key] = {"buf": buf, "slots": {}}
+    stream = torch.cuda.current_stream(device).cuda_stream if cuda else 0
+    slot = pool["slots"].get(stream)
+    if slot is None:
+        if len(pool["slots"]) >= COUNTER_STREAMS:
+            return None
+        slot = pool["slots"][stream] = len(pool["slots"])
+    return pool["buf"][slot]

@@ -56,8 +56,8 @@ import triton.language as tl
 
 from ._common import (INTERPRET, cdiv, describable, descriptor, div_rn_by, div_rn_by_applies, exp2_approx,
                       grid_dependency_sync, launch_kernel, next_pow2, pdl_launch_options, pdl_supported,
-                      persistent_grid, rcp_approx, tile_coords, tma_variant, to_int8_rne, to_int8_sat,
-                      to_int8_sat_nonneg)
+                      persistent_grid, rcp_approx, tile_coords, tile_counters, tma_variant, to_int8_rne,
+                      to_int8_sat, to_int8_sat_nonneg)
 from . import encoder_wgmma
 from .configs import arch_key, sm_count
 
@@ -166,6 +166,17 @@ ENCODER_CONFIGS = {
         # runs the 128x128 tile) mode 2 987.9 us with it vs 965.9 without, mode 1 1010.1 vs 982.9; at 4096 1319.8
         # vs 1329.7 and 1352.8 vs 1351.9; at 16384 4440-4455 vs 4541-4569, 32x384 4221-4268 vs 4303-4334
         "tma_epilogue_min_tokens": 4096,
+        # K splits per GEMM tile (max_tokens, max_splits, min_k_steps, max_programs; `_pick_split_k`): up to
+        # max_splits programs per tile, each with at least min_k_steps K steps, the tile's last one summing the int32
+        # partials, while the grid stays within max_programs. benchmarks/tune_encoder.py TUNE_SPLITS on the H100
+        # (CUDA graphs; tune_encoder_split_k.json): FC2 (K = 3072) alone on the 64x64 tile at 64 / 128 / 256 tokens
+        # 7.7 / 8.1 / 9.4 us with 4 / 4 / 2 splits vs 10.4 / 10.6 / 10.8 whole (fp16 F.linear 9.3 / 8.7 / 9.5); the
+        # K = 768 GEMMs (6 steps) lose with any split (O at 64 tokens 5.5 us whole, 6.5 with 2). In the graphed
+        # encoder (PDL up to 256 tokens: the next kernel's programs take SMs early) a wide split grid costs more
+        # than alone: same-run A/B, 5 rounds (tune_encoder_split_k_encoder.json), mode 1 / mode 2 BERT-base at 1x64
+        # 1.073 / 1.046x with 4 splits, 1x128 1.067 / 0.983x with 4 and 1.050 / 1.037x with 2, 2x128 1.007 /
+        # 0.987x with 2: so at most 48 programs (4 splits at 64 tokens, 2 at 128, none from 256)
+        "gemm_split_k": (1024, 4, 4, 48),
         # a CUDA-graph-captured forward of at least this many tokens runs its batch as two halves on two streams (two
         # parallel graph branches, whose kernels overlap in a torch.profiler trace of the replay). H100 sweep
         # (results/tune_encoder_streams.json; mode 2 padded, mode 1 packed half-length, CUDA graphs, 2 / 4 halves vs one
@@ -274,16 +285,17 @@ def _gelu_requant_fast(y, p, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn,
+def _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn, k_lo, k_hi,
               TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr):
-    """acc = A_q[tile rows] @ W_q[tile columns]^T in int32. TMA: a_src / w_src are tensor descriptors
+    """acc = A_q[tile rows, k_lo:k_hi] @ W_q[tile columns, k_lo:k_hi]^T in int32 (k_lo a multiple of BLOCK_K;
+    k_hi = K, or a multiple of BLOCK_K below it). TMA: a_src / w_src are tensor descriptors
     (blocks [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K]; the copy engine zero-fills past M, N and K, so no
     masks and no per-thread addresses); else pointers, with out-of-range rows / columns wrapped onto valid
     ones, index % M / % N (no masks in the main loop; the stores are masked)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     if TMA:
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             a = a_src.load([pid_m * BLOCK_M, k0])
             w = w_src.load([pid_n * BLOCK_N, k0])
             acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
@@ -296,10 +308,10 @@ def _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn,
         # (H100, BERT-base FC2 with the 128x64 tile: 24.6 us at 2208 rows vs 15.3 at 2304)
         rm_load = rm % M
         rn_load = rn % N
-        a_ptrs = a_src + rm_load[:, None].to(tl.int64) * stride_am + rk[None, :]
+        a_ptrs = a_src + rm_load[:, None].to(tl.int64) * stride_am + (k_lo + rk)[None, :]
         # W is [N, K] row-major: the [BLOCK_K, BLOCK_N] tile is K-contiguous (K-major B operand).
-        w_ptrs = w_src + rn_load[None, :].to(tl.int64) * stride_wn + rk[:, None]
-        for k0 in range(0, K, BLOCK_K):
+        w_ptrs = w_src + rn_load[None, :].to(tl.int64) * stride_wn + (k_lo + rk)[:, None]
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs)
                 w = tl.load(w_ptrs)
@@ -351,16 +363,19 @@ def _tile_epilogue(
             r = res_ptr.load([pid_m * BLOCK_M, pid_n * BLOCK_N])
         else:
             r = tl.load(res_ptr + rm[:, None].to(tl.int64) * stride_rm + rn[None, :], mask=mask, other=0)
-    v = acc.to(tl.float32) * (a_scale * w_scale)[None, :] + bias[None, :]
+    # explicit FMAs where a product meets a sum: left to the compiler, the contraction of `acc * s + bias +
+    # r * s_r` differed between this epilogue's split-K and whole-tile copies (H100: 2 of 98304 fp16 outputs one
+    # ulp apart), and the padded and packed encoder paths, which may split differently, must agree bit for bit
+    v = tl.fma(acc.to(tl.float32), (a_scale * w_scale)[None, :], bias[None, :])
 
     if EPILOGUE == 0:
         if RES_MODE != 0:
             if RES_MODE == 1:
                 v = v + r.to(tl.float32)
             elif COLUMN_RES_SCALE:
-                v = v + r.to(tl.float32) * res_scale_vec[None, :]
+                v = tl.fma(r.to(tl.float32), res_scale_vec[None, :], v)
             else:
-                v = v + r.to(tl.float32) * res_scale
+                v = tl.fma(r.to(tl.float32), res_scale, v)
         if TMA_EPI:
             out_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], v.to(tl.float16))
         else:
@@ -369,7 +384,7 @@ def _tile_epilogue(
         if GELU and FAST_GELU == 2 and RECIPROCAL:
             # the dequantization scales fold into y = v * _GELU_Y (so exp(-z^2) = exp2(-y^2)) and the
             # requantization into p = v / s_out = y * (1 / (s_out * _GELU_Y)): _gelu_requant_fast's form
-            y = acc.to(tl.float32) * (a_scale * w_scale * _GELU_Y)[None, :] + (bias * _GELU_Y)[None, :]
+            y = tl.fma(acc.to(tl.float32), (a_scale * w_scale * _GELU_Y)[None, :], (bias * _GELU_Y)[None, :])
             q = to_int8_sat(_gelu_requant_fast(y, y * (1.0 / (out_scale * _GELU_Y)), INTERPRET))
         else:
             if GELU:
@@ -429,55 +444,102 @@ def _tile_epilogue(
 
 
 @triton.jit
+def _split_k_total(acc, tile, split, num_tiles, part_ptr, count_ptr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """(last, total): this program's int32 partial of `tile` stored as split `split` of part_ptr
+    ([SPLIT_K, num_tiles, BLOCK_M * BLOCK_N]); the program of the tile that arrives last (an acq_rel counter per
+    tile in count_ptr, reset by that program for the next launch) gets last = True and the exact int32 sum of
+    every split, its own read back too (the same bits as one program over the whole K)."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tile_part = part_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs
+    tl.store(tile_part + split.to(tl.int64) * num_tiles * (BLOCK_M * BLOCK_N), acc)
+    # barrier (this program's own stores visible to all its threads), then release: the whole partial is
+    # visible before the count moves (fences are cumulative); acquire: the last program sees the other partials
+    # (read past L1, not coherent across SMs)
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = done == SPLIT_K - 1
+    if last:
+        # every split's load without a branch between them: issued together, one latency instead of SPLIT_K - 1
+        acc = tl.load(tile_part, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(tile_part + s * num_tiles.to(tl.int64) * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+    return last, acc
+
+
+@triton.jit
 def _gemm_tile(
-    tile, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+    tile, split, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr, part_ptr, count_ptr,
     M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt, vt_rows,
     a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
     EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
     COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr, RECIPROCAL: tl.constexpr,
     ALIGNED_QKV: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FAST_GELU: tl.constexpr, TMA: tl.constexpr,
-    BRANCH_FREE: tl.constexpr, TMA_EPI: tl.constexpr, INTERPRET: tl.constexpr,
+    BRANCH_FREE: tl.constexpr, TMA_EPI: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Output tile `tile` (grouped order): its int32 product and its epilogue."""
+    """Output tile `tile` (grouped order): its int32 product and its epilogue; with SPLIT_K > 1, split `split`
+    of its K steps, and the epilogue in whichever of the tile's programs finishes last."""
     pid_m, pid_n = tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn, TMA, EVEN_K,
-                    BLOCK_M, BLOCK_N, BLOCK_K)
-    _tile_epilogue(acc, pid_m, pid_n, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
-                   M, N, stride_rm, stride_om, stride_vt, vt_rows, a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
-                   EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
-                   ALIGNED_QKV, BLOCK_M, BLOCK_N, FAST_GELU, BRANCH_FREE, TMA_EPI, INTERPRET)
+    if SPLIT_K == 1:
+        acc = _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn, 0, K, TMA, EVEN_K,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+        _tile_epilogue(acc, pid_m, pid_n, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+                       M, N, stride_rm, stride_om, stride_vt, vt_rows, a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
+                       EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
+                       ALIGNED_QKV, BLOCK_M, BLOCK_N, FAST_GELU, BRANCH_FREE, TMA_EPI, INTERPRET)
+    else:
+        k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_lo = split * k_per
+        acc = _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn, k_lo, tl.minimum(K, k_lo + k_per),
+                        TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        last, acc = _split_k_total(acc, tile, split, num_tiles, part_ptr, count_ptr, SPLIT_K, BLOCK_M, BLOCK_N)
+        if last:
+            _tile_epilogue(acc, pid_m, pid_n, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+                           M, N, stride_rm, stride_om, stride_vt, vt_rows, a_scale, res_scale, res_scale_vec_ptr,
+                           HIDDEN, EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE,
+                           RECIPROCAL, ALIGNED_QKV, BLOCK_M, BLOCK_N, FAST_GELU, BRANCH_FREE, TMA_EPI, INTERPRET)
 
 
 @triton.jit
 def _int8_gemm_kernel(
-    a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+    a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr, part_ptr, count_ptr,
     M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt, vt_rows,
     a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
     EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
     COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr, RECIPROCAL: tl.constexpr,
     ALIGNED_QKV: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FAST_GELU: tl.constexpr, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
-    TMA_EPI: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA_EPI: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One output tile per program, or (PERSISTENT) a grid of a few programs per SM striding over the tiles
-    in one flattened loop, so the compiler can issue the next tile's loads under this tile's epilogue."""
+    in one flattened loop, so the compiler can issue the next tile's loads under this tile's epilogue, or
+    (SPLIT_K > 1, not persistent) SPLIT_K programs per tile, program s * tiles + t taking split s of tile t's K
+    steps (part_ptr, count_ptr: _split_k_total's partials and arrival counters)."""
     grid_dependency_sync(PDL)
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
-            _gemm_tile(tile, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
-                       M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt, vt_rows,
+            _gemm_tile(tile, 0, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+                       part_ptr, count_ptr, M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt, vt_rows,
                        a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
                        EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
-                       ALIGNED_QKV, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FAST_GELU, TMA, True, TMA_EPI,
+                       ALIGNED_QKV, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FAST_GELU, TMA, True, TMA_EPI, 1,
                        INTERPRET)
     else:
-        _gemm_tile(tl.program_id(0), a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
-                   M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt, vt_rows,
+        tile = tl.program_id(0)
+        split = 0
+        if SPLIT_K > 1:
+            num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+            split = tile // num_tiles
+            tile = tile - split * num_tiles
+        _gemm_tile(tile, split, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+                   part_ptr, count_ptr, M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt, vt_rows,
                    a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
                    EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
-                   ALIGNED_QKV, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FAST_GELU, TMA, False, TMA_EPI,
+                   ALIGNED_QKV, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FAST_GELU, TMA, False, TMA_EPI, SPLIT_K,
                    INTERPRET)
 
 
@@ -495,6 +557,17 @@ def _pick_gemm_tile(device: torch.device, m: int, n: int, k: int, epilogue: str)
     if len(variant) >= 3 and m < table.get("tma_epilogue_min_tokens", 0):
         variant = variant[:2] + (False,) + variant[3:]
     return (bm, bn, min(bk, k_p2), warps, stages) + variant + (False, 0, False, False)[len(variant):]
+
+
+def _pick_split_k(device: torch.device, m: int, tiles: int, k_steps: int) -> int:
+    """Programs per output tile from the table's `gemm_split_k` (max_tokens, max_splits, min_k_steps,
+    max_programs): up to max_tokens rows, at most max_splits, each split with at least min_k_steps K steps, the
+    grid within max_programs and one wave of SMs; 1 past max_tokens or on a table without the rule."""
+    rule = _table(device).get("gemm_split_k")
+    if not rule or m > rule[0]:
+        return 1
+    max_tokens, max_splits, min_k_steps, max_programs = rule
+    return max(1, min(max_splits, min(max_programs, sm_count(device)) // tiles, k_steps // min_k_steps))
 
 
 def int8_gemm(
@@ -515,6 +588,7 @@ def int8_gemm(
     config: tuple | None = None,
     reciprocal: bool | None = None,
     fast_gelu: bool | int | None = None,
+    split_k: int | None = None,
 ):
     """Launch `acc = a @ w.T` (int8 [M, K] x int8 [N, K]) with the named epilogue (module docstring).
 
@@ -525,6 +599,9 @@ def int8_gemm(
     "requant" epilogues store (and load the residual) through tensor descriptors where those tensors are
     describable; warp_specialized: the Gluon kernel of `encoder_wgmma` (a copy-engine loader and two consumer
     warpgroups in ping-pong; block_m 128, num_warps ignored) where `encoder_wgmma.applies`, else this one.
+    split_k: programs per output tile, each over an equal share of the K steps, the tile's last one summing the
+    int32 partials (exact: the same result as one program) and running the epilogue; None: the table's
+    `gemm_split_k` rule (`_pick_split_k`). Not with a persistent grid or the Gluon kernel.
 
     out_scale: float32 [1] (per tensor) or [N] (per output column: "qkv", and "requant" when the consumer
     of the int8 output folds a per-channel smoothing factor into its weight). residual_scale: a float, or
@@ -606,7 +683,25 @@ def int8_gemm(
             block_m=bm, block_n=bn, block_k=bk, stages=stages, programs_per_sm=max(1, int(tile[6])),
             tma_out=bool(tile[7]), sms=sm_count(dev))
         return (out, vt) if code == 2 else out
-    grid = (persistent_grid(cdiv(m, bm) * cdiv(n, bn), int(persistent), sm_count(dev)),)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
+    k_steps = cdiv(k, bk)
+    if split_k is None:
+        splits = 1 if persistent else _pick_split_k(dev, m, tiles, k_steps)
+    else:
+        if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1:
+            raise ValueError(f"split_k: expected None or an int >= 1, got {split_k!r}")
+        if split_k > 1 and persistent:
+            raise ValueError("split_k: a split tile runs one program per (tile, split), not a persistent grid; "
+                             f"got split_k={split_k} with persistent={persistent}")
+        splits = split_k
+    splits = cdiv(k_steps, cdiv(k_steps, min(splits, k_steps)))  # no empty split
+    counters = tile_counters(dev, tiles) if splits > 1 else None
+    if counters is None:
+        splits = 1
+        counters = part = w_scale  # placeholder pointers
+    else:
+        part = torch.empty((splits, tiles, bm * bn), dtype=torch.int32, device=dev)
+    grid = (persistent_grid(tiles, int(persistent), sm_count(dev)) * splits,)
     pdl = _pdl(dev, m)
     # the grid dependency instructions (wait, then signal dependents): with PDL, and in a GEMM whose consumer is
     # launched early (a kernel launched without PDL passes the wait at once)
@@ -617,8 +712,8 @@ def int8_gemm(
     out_dst = descriptor(out, (bm, bn)) if tma_epi else out
     res_src = descriptor(res, (bm, bn)) if tma_epi and res_mode else res
     launch_kernel(_int8_gemm_kernel, grid,
-        a_src, w_src, bias, w_scale, out_scale if out_scale is not None else w_scale, res_src, out_dst, vt,
-        m, n, k, a.stride(0), w.stride(0), res.stride(0) if res.dim() == 2 else 0,
+        a_src, w_src, bias, w_scale, out_scale if out_scale is not None else w_scale, res_src, out_dst, vt, part,
+        counters, m, n, k, a.stride(0), w.stride(0), res.stride(0) if res.dim() == 2 else 0,
         out.stride(0) if code != 2 else 0, vt_stride or 0, vt_rows,
         float(a_scale), 1.0 if column_res else float(residual_scale), residual_scale if column_res else w_scale,
         hidden,
@@ -627,7 +722,8 @@ def int8_gemm(
         ALIGNED_QKV=aligned_qkv,
         EVEN_K=(k % bk == 0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FAST_GELU=int(fast_gelu) if gelu else 0, TMA=use_tma,
-        PERSISTENT=bool(persistent), TMA_EPI=tma_epi, PDL=gdc, INTERPRET=INTERPRET, num_warps=warps, num_stages=stages,
+        PERSISTENT=bool(persistent), TMA_EPI=tma_epi, SPLIT_K=splits, PDL=gdc, INTERPRET=INTERPRET, num_warps=warps,
+        num_stages=stages,
         **pdl_launch_options(pdl),
     )
     if code == 2:

@@ -94,6 +94,7 @@ import triton.language as tl
 from . import gemv_mma, gemv_tma, w8_decode, weight_only_wgmma, weight_only_ws
 from ._common import (INTERPRET, cap_splits, cast_to, cdiv, grid_dependency_sync, launch_kernel, next_pow2,
                       pdl_launch_options)
+from ._common import tile_counters as _tile_counters
 from .configs import arch_key, decode_pdl, sm_count
 
 WORDS_PER_CHUNK = 16
@@ -1114,40 +1115,6 @@ def check_tile(tile: dict) -> None:
         raise ValueError(f"tile block_m: the mma kernel needs a power of two >= 16, got {bm!r}")
     if kind == "gemv" and bm not in (1, 2, 3, 4):
         raise ValueError(f"tile block_m: the gemv kernel takes 1..4 rows, got {bm!r}")
-
-
-# Per-tile arrival counters of the fused split-K reduction: one zeroed int32 slot of _COUNTER_SLOTS per
-# stream, from a pool allocated per device at the first eager call (never while a CUDA graph is being
-# captured: the graph's memory pool would own it). Every launch leaves its counters at zero again (the last
-# program of a tile resets its counter) and launches on one stream run one after another, so a slot is
-# reused without a memset; streams (the graph-capture stream too) get different slots, so launches that
-# overlap on different streams never share counters. Without a slot (more than _COUNTER_STREAMS streams,
-# more tiles than slots, or a capture before any eager call) the second kernel reduces.
-_COUNTER_SLOTS = 1 << 14
-_COUNTER_STREAMS = 8
-_counter_pools: dict = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
-    if tiles > _COUNTER_SLOTS:
-        return None
-    cuda = device.type == "cuda"
-    dev_key = (device.type, device.index)
-    pool = _counter_pools.get(dev_key)
-    if pool is None:
-        if cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = torch.zeros((_COUNTER_STREAMS, _COUNTER_SLOTS), dtype=torch.int32, device=device)
-        if cuda:
-            torch.cuda.current_stream(device).synchronize()  # zeroed before any stream uses a slot
-        pool = _counter_pools[dev_key] = {"buf": buf, "slots": {}}
-    stream = torch.cuda.current_stream(device).cuda_stream if cuda else 0
-    slot = pool["slots"].get(stream)
-    if slot is None:
-        if len(pool["slots"]) >= _COUNTER_STREAMS:
-            return None
-        slot = pool["slots"][stream] = len(pool["slots"])
-    return pool["buf"][slot]
 
 
 def fused_mm(x2d, qweight, scales, zeros, bias, bits: int, group_size: int, n: int,
