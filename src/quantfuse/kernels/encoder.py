@@ -169,13 +169,15 @@ ENCODER_CONFIGS = {
         # K splits per GEMM tile (max_tokens, max_splits, min_k_steps, max_programs; `_pick_split_k`): up to
         # max_splits programs per tile, each with at least min_k_steps K steps, the tile's last one summing the int32
         # partials, while the grid stays within max_programs. benchmarks/tune_encoder.py TUNE_SPLITS on the H100
-        # (CUDA graphs; tune_encoder_split_k.json): FC2 (K = 3072) alone on the 64x64 tile at 64 / 128 / 256 tokens
-        # 7.7 / 8.1 / 9.4 us with 4 / 4 / 2 splits vs 10.4 / 10.6 / 10.8 whole (fp16 F.linear 9.3 / 8.7 / 9.5); the
-        # K = 768 GEMMs (6 steps) lose with any split (O at 64 tokens 5.5 us whole, 6.5 with 2). In the graphed
-        # encoder (PDL up to 256 tokens: the next kernel's programs take SMs early) a wide split grid costs more
-        # than alone: same-run A/B, 5 rounds (tune_encoder_split_k_encoder.json), mode 1 / mode 2 BERT-base at 1x64
-        # 1.073 / 1.046x with 4 splits, 1x128 1.067 / 0.983x with 4 and 1.050 / 1.037x with 2, 2x128 1.007 /
-        # 0.987x with 2: so at most 48 programs (4 splits at 64 tokens, 2 at 128, none from 256)
+        # (CUDA graphs; tune_encoder_split_k_small.json): FC2 (K = 3072) alone on the 64x64 tile at 64 / 128 / 256 tokens
+        # 7.7 / 8.2 / 9.5 us with 4 / 4 / 2 splits vs 10.4 / 10.7 / 10.8 whole (fp16 F.linear 9.3 / 8.8 / 9.7); the
+        # K = 768 GEMMs (6 steps) lose with any split (O at 64 tokens 5.4 us whole, 6.2 with 2).
+        # In the graphed encoder (PDL up to 256 tokens: the next kernel's programs take SMs early) a wide split grid
+        # costs more than alone: same-run A/B, 5 rounds (tune_encoder_split_k_encoder.json), mode 1 / mode 2
+        # BERT-base at 1x64 1.073 / 1.048x with 4 splits, 1x128 1.069 / 0.982x with 4 and 1.050 / 1.037x with 2,
+        # 2x128 1.009 / 0.988x with 2: so at most 48 programs (4 splits at 64 tokens, 2 at 128, none from 256; this
+        # rule in the same run: 1.075 / 1.048, 1.049 / 1.034, 1.003 / 1.000). From 1024 tokens splits lose at every
+        # count (tune_encoder_split_k.json: the partials' traffic outweighs the wave balance they buy)
         "gemm_split_k": (1024, 4, 4, 48),
         # a CUDA-graph-captured forward of at least this many tokens runs its batch as two halves on two streams (two
         # parallel graph branches, whose kernels overlap in a torch.profiler trace of the replay). H100 sweep
