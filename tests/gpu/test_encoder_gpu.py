@@ -58,6 +58,17 @@ def test_gemm_split_k_table_rule_on_this_gpu():
     assert ke._pick_split_k(dev, 128, tiles, 24) == 2
 
 
+def test_gemm_split_k_refused_by_the_gluon_kernel():
+    a, w = u.int8(256, 768, device=DEV), u.int8(768, 768, device=DEV)
+    w_scale, bias = torch.ones(768, device=DEV), torch.zeros(768, device=DEV)
+    config = (128, 128, 128, 4, 4, 1, 0, 0, 1)  # warp-specialized, no persistent grid
+    if not ke.encoder_wgmma.applies(a, w, 0, True, False, True, False):
+        pytest.skip("the Gluon kernel does not run here")
+    with pytest.raises(ValueError, match="split_k.*Gluon"):
+        ke.int8_gemm(a, w, 0.02, w_scale, bias, "residual", residual=torch.zeros(256, 768, device=DEV).half(),
+                     config=config, split_k=2, reciprocal=True)
+
+
 def test_gemm_split_k_replays_in_a_cuda_graph():
     # the counters of a capture stream's slot start at zero and every replay leaves them at zero
     torch.manual_seed(5)

@@ -18,7 +18,10 @@ Symbols: activations are quantized per tensor, `x ~ s_x * x_q`; weights per outp
     `[heads, head_dim, T_v]` so that P.V reads V K-major (the only int8 operand order wgmma takes).
   The table picks per tile and epilogue how operands arrive (pointer loads, or tensor descriptors: the
   Hopper copy engine, zero fill past the edges) and whether the grid is persistent (a few programs per SM
-  striding over tiles in one flattened loop, the next tile's loads issued under this tile's epilogue).
+  striding over tiles in one flattened loop, the next tile's loads issued under this tile's epilogue). Where
+  few tiles would leave most SMs idle (small token counts, long K), the table splits K over several programs per
+  tile: each stores its int32 partial, and the tile's last program to finish sums them (exact: the same bits as
+  one program) and runs the epilogue.
 * `int8_attention` -- one program per (query block, head, sequence) over packed variable-length
   sequences (`cu_seqlens`), key mask optional. Pass 1 finds the row max m and the normaliser l of
   `s = (Q_q . K_q^T) * s_q * s_k / sqrt(d)` over unmasked keys; pass 2 recomputes s, forms the final
@@ -169,9 +172,9 @@ ENCODER_CONFIGS = {
         # K splits per GEMM tile (max_tokens, max_splits, min_k_steps, max_programs; `_pick_split_k`): up to
         # max_splits programs per tile, each with at least min_k_steps K steps, the tile's last one summing the int32
         # partials, while the grid stays within max_programs. benchmarks/tune_encoder.py TUNE_SPLITS on the H100
-        # (CUDA graphs; tune_encoder_split_k_small.json): FC2 (K = 3072) alone on the 64x64 tile at 64 / 128 / 256 tokens
-        # 7.7 / 8.2 / 9.5 us with 4 / 4 / 2 splits vs 10.4 / 10.7 / 10.8 whole (fp16 F.linear 9.3 / 8.8 / 9.7); the
-        # K = 768 GEMMs (6 steps) lose with any split (O at 64 tokens 5.4 us whole, 6.2 with 2).
+        # (CUDA graphs; tune_encoder_split_k_small.json): FC2 (K = 3072) alone on the 64x64 tile at 64 / 128 / 256
+        # tokens 7.7 / 8.2 / 9.5 us with 4 / 4 / 2 splits vs 10.4 / 10.7 / 10.8 whole (fp16 F.linear 9.3 / 8.8 /
+        # 9.7); the K = 768 GEMMs (6 steps) lose with any split (O at 64 tokens 5.4 us whole, 6.2 with 2).
         # In the graphed encoder (PDL up to 256 tokens: the next kernel's programs take SMs early) a wide split grid
         # costs more than alone: same-run A/B, 5 rounds (tune_encoder_split_k_encoder.json), mode 1 / mode 2
         # BERT-base at 1x64 1.073 / 1.048x with 4 splits, 1x128 1.069 / 0.982x with 4 and 1.050 / 1.037x with 2,
@@ -672,9 +675,14 @@ def int8_gemm(
         res_mode = 1 if residual.dtype == torch.float16 else 2
     column_out_scale = out_scale is not None and out_scale.numel() > 1 and code == 1
     aligned_qkv = code == 2 and hidden % bn == 0 and (bn % head_dim == 0 or head_dim % bn == 0)
+    if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
+        raise ValueError(f"split_k: expected None or an int >= 1, got {split_k!r}")
     # the Gluon kernel's wgmma tiles: one 128-row warpgroup tile, N in 16..256, K steps of 32-deep instructions
     if (len(tile) == 9 and tile[8] and bm == 128 and bn % 16 == 0 and bn <= 256 and bk % 32 == 0
             and encoder_wgmma.applies(a, w, code, bool(reciprocal), gelu, bool(fast_gelu), aligned_qkv)):
+        if split_k is not None and split_k > 1:
+            raise ValueError(f"split_k: the warp-specialized Gluon kernel does not split K; got split_k={split_k} "
+                             f"with config {tile}")
         encoder_wgmma.launch(
             a, w, out, res, vt, bias, w_scale, out_scale if out_scale is not None else w_scale,
             residual_scale if column_res else w_scale, m=m, n=n, k=k,
@@ -690,8 +698,6 @@ def int8_gemm(
     if split_k is None:
         splits = 1 if persistent else _pick_split_k(dev, m, tiles, k_steps)
     else:
-        if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1:
-            raise ValueError(f"split_k: expected None or an int >= 1, got {split_k!r}")
         if split_k > 1 and persistent:
             raise ValueError("split_k: a split tile runs one program per (tile, split), not a persistent grid; "
                              f"got split_k={split_k} with persistent={persistent}")
