@@ -117,8 +117,8 @@ def candidates():
             for recip in (recips if name in ("qkv", "fc1", "fc1_nogelu") else (False,))
             for fast in (fasts if name == "fc1" else (None,))
             for split in GEMM_SPLITS
-            # a split only where the tiles leave SMs idle (the launcher's rule, `_pick_split_k`) and each split
-            # keeps two K steps
+            # a split only where the tiles leave over half the SMs idle, the split grid fits one wave and each
+            # split keeps two K steps (wider than the launcher's rule, `_pick_split_k`, which this sweep informs)
             if split is None or split == 1 or (2 * -(-m // tile[0]) * -(-n // tile[1]) <= SMS
                                                and split * -(-m // tile[0]) * -(-n // tile[1]) <= SMS
                                                and -(-k // tile[2]) >= 2 * split)]

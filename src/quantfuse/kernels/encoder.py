@@ -475,8 +475,8 @@ def _split_k_total(acc, tile, split, num_tiles, part_ptr, count_ptr, SPLIT_K: tl
 
 @triton.jit
 def _gemm_tile(
-    tile, split, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr, part_ptr, count_ptr,
-    M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt, vt_rows,
+    tile, split, num_tiles, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr, part_ptr,
+    count_ptr, M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt, vt_rows,
     a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
     EPILOGUE: tl.constexpr, RES_MODE: tl.constexpr, GELU: tl.constexpr, HEAD_DIM: tl.constexpr,
     COLUMN_OUT_SCALE: tl.constexpr, COLUMN_RES_SCALE: tl.constexpr, RECIPROCAL: tl.constexpr,
@@ -499,7 +499,6 @@ def _gemm_tile(
         k_lo = split * k_per
         acc = _tile_acc(a_src, w_src, pid_m, pid_n, M, N, K, stride_am, stride_wn, k_lo, tl.minimum(K, k_lo + k_per),
                         TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         last, acc = _split_k_total(acc, tile, split, num_tiles, part_ptr, count_ptr, SPLIT_K, BLOCK_M, BLOCK_N)
         if last:
             _tile_epilogue(acc, pid_m, pid_n, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
@@ -524,10 +523,10 @@ def _int8_gemm_kernel(
     (SPLIT_K > 1, not persistent) SPLIT_K programs per tile, program s * tiles + t taking split s of tile t's K
     steps (part_ptr, count_ptr: _split_k_total's partials and arrival counters)."""
     grid_dependency_sync(PDL)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
-        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
-            _gemm_tile(tile, 0, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+            _gemm_tile(tile, 0, num_tiles, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
                        part_ptr, count_ptr, M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt, vt_rows,
                        a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
                        EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
@@ -537,10 +536,9 @@ def _int8_gemm_kernel(
         tile = tl.program_id(0)
         split = 0
         if SPLIT_K > 1:
-            num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
             split = tile // num_tiles
             tile = tile - split * num_tiles
-        _gemm_tile(tile, split, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
+        _gemm_tile(tile, split, num_tiles, a_src, w_src, bias_ptr, w_scale_ptr, out_scale_ptr, res_ptr, out_ptr, vt_ptr,
                    part_ptr, count_ptr, M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_vt, vt_rows,
                    a_scale, res_scale, res_scale_vec_ptr, HIDDEN,
                    EPILOGUE, RES_MODE, GELU, HEAD_DIM, COLUMN_OUT_SCALE, COLUMN_RES_SCALE, RECIPROCAL,
@@ -569,9 +567,11 @@ def _pick_split_k(device: torch.device, m: int, tiles: int, k_steps: int) -> int
     max_programs): up to max_tokens rows, at most max_splits, each split with at least min_k_steps K steps, the
     grid within max_programs and one wave of SMs; 1 past max_tokens or on a table without the rule."""
     rule = _table(device).get("gemm_split_k")
-    if not rule or m > rule[0]:
+    if not rule:
         return 1
     max_tokens, max_splits, min_k_steps, max_programs = rule
+    if m > max_tokens:
+        return 1
     return max(1, min(max_splits, min(max_programs, sm_count(device)) // tiles, k_steps // min_k_steps))
 
 
