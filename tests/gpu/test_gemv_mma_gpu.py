@@ -11,6 +11,8 @@ partial chunk (200, 7392), odd N (100, 257), splits forced to 1 / 3 / every chun
 reduction; NaN / inf / all-zero x, dispatch from quantfuse.weight_only_mm, CUDA graph replay.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -74,6 +76,25 @@ def test_forced_splits_agree(m, fused, early):
         _check_bound(y, x, qw, bias, f"splits={splits}-fused={fused}-M{m}")
     for _ in range(3):  # the counters are left at zero: repeated fused launches stay right
         _check_bound(_run(x, qw, bias, cfg=cfg, splits=3, fused=fused), x, qw, bias, "repeat")
+
+
+@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("scheme", [(128, False), (-1, True)], ids=["g128-asym", "per-channel-sym"])
+def test_evict_first_hint_changes_no_result(m, scheme):
+    """MmaDecodeConfig.evict_first (the L2 hint on the codes and group scales) is a cache hint only: each M bucket's
+    shipped pick with it gives the same bits as without, split or not, K past the last whole chunk included."""
+    group, sym = scheme
+    k, n = 7392, 257
+    qw = qf.quantize_weight(_weight(n, k), bits=4, group_size=group, symmetric=sym)
+    x = torch.randn(m, k, device=DEV).to(BF16)
+    bias = torch.randn(n, device=DEV).to(BF16)
+    for cfg in gm.candidates(m, x.device)[:1] + [gm.MmaDecodeConfig(128, 4, 4, early_refill=True)]:
+        hinted = dataclasses.replace(cfg, evict_first=True)
+        for splits in (1, 3):
+            want = _run(x, qw, bias, cfg=cfg, splits=splits)
+            got = _run(x, qw, bias, cfg=hinted, splits=splits)
+            assert torch.equal(got, want), (cfg, splits)
+            _check_bound(got, x, qw, bias, f"evict-first {cfg} splits={splits}")
 
 
 @pytest.mark.parametrize("x_group", [2, 4])

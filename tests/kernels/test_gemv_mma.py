@@ -31,7 +31,8 @@ def test_x_ring_pick_from_8m_codes_at_two_tiles_only(monkeypatch):
         assert gm.pick_config(m, cpu, 4096 * 4096, "sm90").x_group == 2
         assert gm.pick_config(m, cpu, 3072 * 3072, "sm90").x_group == 2  # 9.4M codes
         reg = gm.pick_config(m, cpu, 2048 * 3072, "sm90")
-        assert reg.x_group == 0 and not reg.early_refill and reg == gm.MmaDecodeConfig(128, 4, 2, False)
+        assert reg.x_group == 0 and not reg.early_refill
+        assert reg == gm.MmaDecodeConfig(128, 4, 2, False, evict_first=True)
     for m in (1, 8):
         assert gm.pick_config(m, cpu, 28672 * 4096, "sm90") == gm.MmaDecodeConfig(128, 8, 2, early_refill=True)
     # rows the copy engine cannot read (a row stride of 4100 bytes): the register pick, whatever the weight
@@ -45,6 +46,31 @@ def test_x_ring_pick_from_8m_codes_at_two_tiles_only(monkeypatch):
     seen.clear()  # M <= 8 never takes the ring: one pick, rows unchecked
     assert gm.auto_config(torch.randn(8, 4096 + 2, dtype=torch.bfloat16)[:, :4096], 28672).x_group == 0
     assert seen == [28672 * 4096]
+
+
+def test_evict_first_hint_by_m_and_weight_size(monkeypatch):
+    """The evict-first hint (EVICT_FIRST_BELOW, results/tune_evict_first*.json): at M = 9..16 on every weight, at
+    M <= 8 below 16M codes only; the register pick for rows the copy engine cannot read keeps the weight's
+    choice; off on other architectures."""
+    cpu = torch.device("cpu")
+    for m in (9, 16):
+        for weights in (2048 * 2048, 4096 * 4096, 28672 * 8192):
+            assert gm.pick_config(m, cpu, weights, "sm90").evict_first
+    for m in (1, 8):
+        assert gm.pick_config(m, cpu, 3072 * 3072, "sm90").evict_first
+        assert gm.pick_config(m, cpu, (16 << 20) - 1, "sm90").evict_first
+        for weights in (16 << 20, 4096 * 28672, 28672 * 8192):
+            cfg = gm.pick_config(m, cpu, weights, "sm90")
+            assert not cfg.evict_first and cfg == gm.candidates(m, cpu, "sm90")[0]
+    assert all(not c.evict_first for c in gm.all_configs("sm90"))  # the tuner's candidates stay hint-free
+    real = gm.pick_config
+    monkeypatch.setattr(gm, "pick_config", lambda m, dev, weights: real(m, dev, weights, "sm90"))
+    for m, n, hinted in ((16, 28672, True), (4, 3072, True), (4, 28672, False)):
+        strided = gm.auto_config(torch.randn(m, 4096 + 2, dtype=torch.bfloat16)[:, :4096], n)
+        assert strided.x_group == 0 and strided.evict_first is hinted
+    monkeypatch.setattr(gm, "pick_config", lambda m, dev, weights: real(m, dev, weights, "default"))
+    monkeypatch.setitem(gm.MMA_DECODE_CONFIGS, "default", gm.MMA_DECODE_CONFIGS["sm90"])
+    assert not gm.auto_config(torch.randn(16, 2048, dtype=torch.bfloat16), 2048).evict_first
 
 
 def test_never_applies_on_cpu_tensors_or_outside_its_scope():

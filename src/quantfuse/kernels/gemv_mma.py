@@ -44,6 +44,7 @@ Scope (`applies`): sm90 exactly, 1 <= M <= 16, float16 / bfloat16 x, int4 codes,
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -100,13 +101,16 @@ class MmaDecodeConfig:
     early_refill: each register buffer's next chunk is loaded before its chunk is converted (three buffers' worth
     of registers, two chunks in flight under each conversion); x_group (0: off; picked at M = 9..16 only): x comes
     from a shared-memory ring of 2 x x_group chunks that the copy engine fills, x_group chunks at a time behind one
-    CTA barrier, read right before each product instead of held in a register buffer per chunk in flight."""
+    CTA barrier, read right before each product instead of held in a register buffer per chunk in flight;
+    evict_first: the codes and group scales loaded with the evict-first L2 hint (`pick_config` sets it by M and
+    weight size: EVICT_FIRST_BELOW)."""
     block_n: int
     num_warps: int
     programs_per_sm: int
     fused_reduce: bool = True
     early_refill: bool = False
     x_group: int = 0
+    evict_first: bool = False
 
 
 # Per architecture, (largest M, candidates) by increasing M: the first candidate of M's bucket runs, the rest
@@ -149,6 +153,14 @@ MMA_DECODE_CONFIGS: Dict[str, List[Tuple[int, List[MmaDecodeConfig]]]] = {
     "sm90": [(8, _INT4_ONE_TILE), (MAX_M, _INT4_TWO_TILES)]}
 # Weights (N x K codes) below this take the bucket's first register-x candidate instead of an x-ring pick.
 X_RING_MIN_WEIGHTS: Dict[str, int] = {"sm90": 8 << 20}
+# Per architecture, (largest M, weights below which) the pick loads the codes and group scales with the evict-first
+# L2 hint (MmaDecodeConfig.evict_first: each is read once). H100 A/B, the same config with and without the hint in
+# alternated rounds, CUDA graphs, W4A16 g128 float32 scales (results/tune_evict_first.json, tune_evict_first_m.json;
+# 14 Llama-3 / 3.2 shapes): M = 9..16 0.981-1.032x (speed with / without), geometric mean 1.007, every Llama-3-8B /
+# 70B shape ahead (4096x28672 M = 16 32.2 us vs 32.9, 14336x4096 19.5 vs 20.1); M = 1..8 below 16M codes
+# 1.010-1.044x (2048x2048, 2048x3072, 3072x3072, 3072x5120); from 16M codes 0.967-1.035x by shape, no size rule
+# separating them (2048x16384, 3072x16384 and 28672x8192 behind, 4096x28672 and 14336x4096 ahead): off there.
+EVICT_FIRST_BELOW: Dict[str, List[Tuple[int, int]]] = {"sm90": [(8, 16 << 20), (MAX_M, 1 << 62)]}
 
 
 def all_configs(arch: str) -> List[MmaDecodeConfig]:
@@ -178,12 +190,12 @@ def candidates(m: int, device: torch.device, arch: Optional[str] = None) -> List
 
 def pick_config(m: int, device: torch.device, weights: int = 1 << 62, arch: Optional[str] = None) -> MmaDecodeConfig:
     """M's pick for a weight of `weights` (N x K) codes: the bucket's first candidate, or its first without the x
-    ring below X_RING_MIN_WEIGHTS."""
+    ring below X_RING_MIN_WEIGHTS; with the evict-first hint below EVICT_FIRST_BELOW."""
     arch = arch or arch_key(device.type, device.index)
     cfgs = candidates(m, device, arch)
-    if weights < X_RING_MIN_WEIGHTS.get(arch, 0):
-        return next(c for c in cfgs if not c.x_group)
-    return cfgs[0]
+    cfg = next(c for c in cfgs if not c.x_group) if weights < X_RING_MIN_WEIGHTS.get(arch, 0) else cfgs[0]
+    below = next((w for max_m, w in EVICT_FIRST_BELOW.get(arch, []) if m <= max_m), 0)
+    return dataclasses.replace(cfg, evict_first=True) if weights < below else cfg
 
 
 def auto_config(x2d: torch.Tensor, n: int) -> MmaDecodeConfig:
@@ -191,7 +203,9 @@ def auto_config(x2d: torch.Tensor, n: int) -> MmaDecodeConfig:
     where the copy engine cannot read x2d's rows (the x ring needs a tensor descriptor)."""
     m, k = x2d.shape
     cfg = pick_config(m, x2d.device, n * k)
-    return pick_config(m, x2d.device, 0) if cfg.x_group and not describable(x2d) else cfg
+    if cfg.x_group and not describable(x2d):
+        return dataclasses.replace(pick_config(m, x2d.device, 0), evict_first=cfg.evict_first)
+    return cfg
 
 
 def whole_chunk_groups(scales: torch.Tensor, group_size: int) -> bool:
@@ -215,6 +229,10 @@ def applies(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits
 
 
 if GLUON_AVAILABLE:
+
+    @gluon.constexpr_function
+    def _stream_hint(evict_first):
+        return "evict_first" if evict_first else ""
 
     @gluon.constexpr_function
     def _mma_layout(num_warps):
@@ -346,11 +364,12 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z, N, chunk, ok,
                     group_chunk_shift, HAS_ZERO: gl.constexpr, PER_CHANNEL: gl.constexpr, EVEN_K: gl.constexpr,
-                    X_SMEM: gl.constexpr = False):
+                    X_SMEM: gl.constexpr = False, EVICT_FIRST: gl.constexpr = False):
         # no fill values where nothing needs them (saves zeroing the registers first): rows past N and columns
         # past M are never stored, and the mma keeps rows and columns apart; codes past K are 0, but their
         # u - z is not, so x there must be 0
-        words = gl.load(w_ptrs + chunk * _WORDS, mask=w_mask & ok)
+        # EVICT_FIRST: the codes and group scales are read once, by this program only; marked first out of L2
+        words = gl.load(w_ptrs + chunk * _WORDS, mask=w_mask & ok, eviction_policy=_stream_hint(EVICT_FIRST))
         if X_SMEM:
             xv = 0  # x comes from the shared-memory ring (`_x_from_boxes`)
         elif EVEN_K:
@@ -362,7 +381,8 @@ if GLUON_AVAILABLE:
             s = gl.zeros_like(rows_s, dtype=gl.float32)
         else:
             g = chunk >> group_chunk_shift
-            s = gl.load(s_ptr + g * N + rows_s, mask=(rows_s < N) & ok, other=0.0).to(gl.float32)
+            s = gl.load(s_ptr + g * N + rows_s, mask=(rows_s < N) & ok, other=0.0,
+                        eviction_policy=_stream_hint(EVICT_FIRST)).to(gl.float32)
         if HAS_ZERO:
             z = gl.load(z_ptr + g * N + rows_z, mask=(rows_z < N) & ok, other=0)
         else:
@@ -393,7 +413,7 @@ if GLUON_AVAILABLE:
         HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, FUSED_REDUCE: gl.constexpr,
         PER_CHANNEL: gl.constexpr, EVEN_K: gl.constexpr, BLOCK_N: gl.constexpr, MP: gl.constexpr,
         num_warps: gl.constexpr, SIGNAL: gl.constexpr = False, PDL: gl.constexpr = False,
-        EARLY_REFILL: gl.constexpr = False, GROUP_X: gl.constexpr = 0,
+        EARLY_REFILL: gl.constexpr = False, GROUP_X: gl.constexpr = 0, EVICT_FIRST: gl.constexpr = False,
     ):
         # PDL: launched early (configs.decode_pdl); nothing is read before the wait, which also signals
         grid_dependency_sync(PDL)
@@ -444,10 +464,11 @@ if GLUON_AVAILABLE:
         # two chunks in flight: each buffer is refilled as soon as its chunk is converted, while the other
         # buffer's chunk is converted (unrolled by two, so the buffers stay in their registers: no copies)
         wa, xa, sa, za = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z, N,
-                                     c_begin, n_steps > 0, group_chunk_shift, HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM)
+                                     c_begin, n_steps > 0, group_chunk_shift, HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM,
+                                     EVICT_FIRST)
         wb, xb, sb, zb = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s, rows_z, N,
                                      c_begin + 1, n_steps > 1, group_chunk_shift, HAS_ZERO, PER_CHANNEL, EVEN_K,
-                                     X_SMEM)
+                                     X_SMEM, EVICT_FIRST)
         acc = gl.zeros([BLOCK_N, MP], gl.float32, mma)
         for t in range(0, n_steps, 2):
             # EARLY_REFILL: a buffer's refill is issued before its chunk is converted (a third buffer's registers),
@@ -455,25 +476,25 @@ if GLUON_AVAILABLE:
             if EARLY_REFILL:
                 na, nxa, nsa, nza = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s,
                                                 rows_z, N, c_begin + t + 2, t + 2 < n_steps, group_chunk_shift,
-                                                HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM)
+                                                HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM, EVICT_FIRST)
             acc = _chunk_product(acc, wa, xa, sa, za, a_l, b_l, DT, PER_CHANNEL, x_smem, ready, t, GROUP_X, xb_l,
                                  x_l)
             if not EARLY_REFILL:
                 na, nxa, nsa, nza = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s,
                                                 rows_z, N, c_begin + t + 2, t + 2 < n_steps, group_chunk_shift,
-                                                HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM)
+                                                HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM, EVICT_FIRST)
             wa, xa, sa, za = na, nxa, nsa, nza
             if EARLY_REFILL:
                 nb, nxb, nsb, nzb = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s,
                                                 rows_z, N, c_begin + t + 3, t + 3 < n_steps, group_chunk_shift,
-                                                HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM)
+                                                HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM, EVICT_FIRST)
             if t + 1 < n_steps:
                 acc = _chunk_product(acc, wb, xb, sb, zb, a_l, b_l, DT, PER_CHANNEL, x_smem, ready, t + 1, GROUP_X,
                                      xb_l, x_l)
             if not EARLY_REFILL:
                 nb, nxb, nsb, nzb = _load_chunk(w_ptrs, w_mask, x_ptrs, x_mask_m, x_k, K, s_ptr, z_ptr, rows_s,
                                                 rows_z, N, c_begin + t + 3, t + 3 < n_steps, group_chunk_shift,
-                                                HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM)
+                                                HAS_ZERO, PER_CHANNEL, EVEN_K, X_SMEM, EVICT_FIRST)
             wb, xb, sb, zb = nb, nxb, nsb, nzb
             if X_SMEM:
                 if (t + 2) % GROUP_X == 0:  # a group of chunks done: every warp has read its slots, refill them
@@ -547,7 +568,8 @@ def gemv_mma(x2d, qweight, scales, zeros, bias, group_size: int, n: int,
         chunks_per_split, splits, group_chunk_shift,
         HAS_ZERO=zeros is not None, HAS_BIAS=has_bias, SPLIT=split, FUSED_REDUCE=fused, PER_CHANNEL=per_channel,
         EVEN_K=k % CHUNK == 0, BLOCK_N=cfg.block_n, MP=mp, num_warps=cfg.num_warps, SIGNAL=pdl,
-        PDL=early, EARLY_REFILL=bool(cfg.early_refill), GROUP_X=group_x, **pdl_launch_options(early),
+        PDL=early, EARLY_REFILL=bool(cfg.early_refill), GROUP_X=group_x, EVICT_FIRST=bool(cfg.evict_first),
+        **pdl_launch_options(early),
     )
     if split and not fused:
         splitk_reduce(part.view(splits, -1, n), bias, out, pdl=pdl)
