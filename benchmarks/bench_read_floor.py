@@ -44,38 +44,24 @@ COLUMNS = ["line", "K", "N", "M", "bytes", "peer", "peer_us", "target_x", "targe
 
 
 @triton.jit
-def _read_block(src, idx, stop, CG: tl.constexpr, EVICT_FIRST: tl.constexpr):
-    if CG:
-        return tl.load(src + idx, mask=idx < stop, other=0, cache_modifier=".cg")
-    elif EVICT_FIRST:
-        return tl.load(src + idx, mask=idx < stop, other=0, eviction_policy="evict_first")
-    else:
-        return tl.load(src + idx, mask=idx < stop, other=0)
-
-
-@triton.jit
 def _read_kernel(src, out, n_words, words_per_prog, BLOCK: tl.constexpr, CG: tl.constexpr,
-                 UNROLL: tl.constexpr = 1, EVICT_FIRST: tl.constexpr = False):
-    """Sum (wrapping int32) of this program's contiguous slice of src, one word out: reads only. UNROLL (1, 2 or
-    4) loads of BLOCK words are issued before any is summed (more bytes in flight per thread, for few resident
-    programs); EVICT_FIRST marks the lines first out of L2 (the stream is read once)."""
+                 EVICT_FIRST: tl.constexpr = False):
+    """Sum (wrapping int32) of this program's contiguous slice of src, one word out: reads only. EVICT_FIRST marks
+    the lines first out of L2 (the stream is read once)."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * words_per_prog
     stop = tl.minimum(start + words_per_prog, n_words)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for base in range(start, stop, BLOCK * UNROLL):
-        v0 = _read_block(src, base + offs, stop, CG, EVICT_FIRST)
-        if UNROLL >= 2:
-            v1 = _read_block(src, base + BLOCK + offs, stop, CG, EVICT_FIRST)
-        if UNROLL >= 4:
-            v2 = _read_block(src, base + 2 * BLOCK + offs, stop, CG, EVICT_FIRST)
-            v3 = _read_block(src, base + 3 * BLOCK + offs, stop, CG, EVICT_FIRST)
-        acc += v0
-        if UNROLL >= 2:
-            acc += v1
-        if UNROLL >= 4:
-            acc += v2 + v3
+    for base in range(start, stop, BLOCK):
+        idx = base + offs
+        if CG:
+            v = tl.load(src + idx, mask=idx < stop, other=0, cache_modifier=".cg")
+        elif EVICT_FIRST:
+            v = tl.load(src + idx, mask=idx < stop, other=0, eviction_policy="evict_first")
+        else:
+            v = tl.load(src + idx, mask=idx < stop, other=0)
+        acc += v
     tl.store(out + pid, tl.sum(acc, 0))
 
 
@@ -107,13 +93,12 @@ def read_sum_tma(buf2d: torch.Tensor, out: torch.Tensor, programs: int, box_rows
 
 
 def read_sum(buf: torch.Tensor, out: torch.Tensor, programs: int, block: int, warps: int, cg: bool,
-             unroll: int = 1, evict_first: bool = False) -> None:
+             evict_first: bool = False) -> None:
     n = buf.numel()
     per = -(-n // programs)
     per = -(-per // block) * block  # whole blocks per program: aligned 16-byte vectors
     grid = -(-n // per)
-    _read_kernel[(grid,)](buf, out, n, per, BLOCK=block, CG=cg, UNROLL=unroll, EVICT_FIRST=evict_first,
-                          num_warps=warps)
+    _read_kernel[(grid,)](buf, out, n, per, BLOCK=block, CG=cg, EVICT_FIRST=evict_first, num_warps=warps)
 
 
 def floor_configs(sms: int):
@@ -123,13 +108,7 @@ def floor_configs(sms: int):
                 for cg in (False, True):
                     yield f"read p{pps} b{block} w{warps}{' cg' if cg else ''}", dict(
                         kind="ptr", programs=pps * sms, block=block, warps=warps, cg=cg)
-    # stop 58: a few programs per SM with 2 / 4 blocks in flight per thread, and the evict-first hint, so the floor
-    # does not rest on resident-program count alone
-    for pps in (1, 2, 4, 8):
-        for block in (2048, 8192):
-            for unroll in (2, 4):
-                yield f"read p{pps} b{block} w8 u{unroll}", dict(kind="ptr", programs=pps * sms, block=block,
-                                                                 warps=8, cg=False, unroll=unroll)
+    # stop 58: the evict-first hint (the floor on most sizes since)
     for pps in (16, 64):
         for block in (2048, 16384):
             yield f"read p{pps} b{block} w8 ef", dict(kind="ptr", programs=pps * sms, block=block, warps=8,
@@ -145,8 +124,7 @@ def _launch(cfg, buf, buf2d, out):
     if cfg["kind"] == "tma":
         read_sum_tma(buf2d, out, cfg["programs"], cfg["box_rows"], cfg["warps"], cfg["stages"])
     else:
-        read_sum(buf, out, cfg["programs"], cfg["block"], cfg["warps"], cfg["cg"], cfg.get("unroll", 1),
-                 cfg.get("evict_first", False))
+        read_sum(buf, out, cfg["programs"], cfg["block"], cfg["warps"], cfg["cg"], cfg.get("evict_first", False))
 
 
 def time_floor(nbytes: int, sms: int):
@@ -257,11 +235,10 @@ def dry_run() -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     buf = torch.randint(-1000, 1000, (5000,), dtype=torch.int32)
     out = torch.zeros(8, dtype=torch.int32)
-    for programs, block, unroll, evict_first in ((3, 256, 1, False), (7, 512, 1, False), (3, 128, 2, False),
-                                                 (2, 256, 4, False), (5, 128, 4, True)):
+    for programs, block, evict_first in ((3, 256, False), (7, 512, False), (5, 128, True)):
         out.zero_()
-        read_sum(buf, out, programs, block, 4, False, unroll, evict_first)
-        assert int(out.sum()) == int(buf.sum()), (programs, block, unroll, int(out.sum()), int(buf.sum()))
+        read_sum(buf, out, programs, block, 4, False, evict_first)
+        assert int(out.sum()) == int(buf.sum()), (programs, block, evict_first, int(out.sum()), int(buf.sum()))
     buf2d = torch.zeros(-(-buf.numel() // TMA_ROW) * TMA_ROW, dtype=torch.int32)
     buf2d[: buf.numel()] = buf
     for programs, box_rows in ((3, 16), (2, 32)):

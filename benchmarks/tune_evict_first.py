@@ -57,42 +57,34 @@ def _rounds(variants, sets, rounds):
     return times
 
 
-def _emit(rows, base, variants, times, peer, peer_us, nbytes, bw, configs):
-    first = statistics.median(times[variants[0][0]])
-    for label, _ in variants:
-        us = statistics.median(times[label])
-        rows.append(dict(base, variant=label, config=configs[label], us=us, us_min=min(times[label]),
-                         us_max=max(times[label]), vs_first=first / us, peer=peer, peer_us=peer_us,
-                         vs_peer=peer_us / us, frac_copy_bw=nbytes / (us * 1e-6) / 1e9 / bw))
-        common.print_row(rows[-1])
-
-
 def w4_rows(rows, kns, ms, rounds, bw):
     dev = torch.device("cuda")
     for k, n in kns:
         qw = qf.quantize_weight(torch.randn(n, k, device=dev), bits=4, group_size=128, scale_dtype=torch.float32)
         nbytes = qw_bytes(qw)
-        qw_sets = [qw] + [clone_qw(qw) for _ in range(common.rotation_count(nbytes) - 1)]
+        sets = [(q,) for q in [qw] + [clone_qw(qw) for _ in range(common.rotation_count(nbytes) - 1)]]
         w_hat = qw.dequantize(BF16)
-        w_sets = [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]
+        w_sets = [(w,) for w in [w_hat] + [w_hat.clone() for _ in range(common.rotation_count(w_hat.numel() * 2) - 1)]]
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=BF16)
             shipped = dataclasses.replace(gm.auto_config(x, n), evict_first=False)
-            configs = {"shipped": str(shipped), "evict_first": str(dataclasses.replace(shipped, evict_first=True))}
-            variants = []
-            for label, cfg in (("shipped", shipped), ("evict_first", dataclasses.replace(shipped, evict_first=True))):
-                def fn(q, cfg=cfg):
-                    return kw.gemv_mma_mm(x, q.qweight, q.scales, q.zeros, None, q.group_size, n, config=cfg)
-                variants.append((label, fn))
-            want = variants[0][1](qw)
-            got = variants[1][1](qw)
-            assert torch.equal(want, got), f"W4A16 {k}x{n} M={m}: the evict-first output differs"
-            sets = [(q,) for q in qw_sets]
+            cfgs = {"shipped": shipped, "evict_first": dataclasses.replace(shipped, evict_first=True)}
+            variants = [(label, lambda q, cfg=cfg: kw.gemv_mma_mm(x, q.qweight, q.scales, q.zeros, None,
+                                                                   q.group_size, n, config=cfg))
+                        for label, cfg in cfgs.items()]
+            assert torch.equal(variants[0][1](qw), variants[1][1](qw)), \
+                f"W4A16 {k}x{n} M={m}: the evict-first output differs"
             times = _rounds(variants, sets, rounds)
-            peer_us = common.graph_us(lambda w: F.linear(x, w), [(w,) for w in w_sets])
-            _emit(rows, dict(line="W4A16 g128", K=k, N=n, M=m), variants, times, "bf16 F.linear", peer_us, nbytes,
-                  bw, configs)
-        del qw_sets, w_sets
+            peer_us = common.graph_us(lambda w: F.linear(x, w), w_sets)
+            first = statistics.median(times["shipped"])
+            for label, cfg in cfgs.items():
+                us = statistics.median(times[label])
+                rows.append(dict(line="W4A16 g128", K=k, N=n, M=m, variant=label, config=str(cfg), us=us,
+                                 us_min=min(times[label]), us_max=max(times[label]), vs_first=first / us,
+                                 peer="bf16 F.linear", peer_us=peer_us, vs_peer=peer_us / us,
+                                 frac_copy_bw=nbytes / (us * 1e-6) / 1e9 / bw))
+                common.print_row(rows[-1])
+        del sets, w_sets
         torch.cuda.empty_cache()
 
 
