@@ -1,0 +1,215 @@
+"""Probe (Gluon, sm90): which ways of reading the decode kernel's row-major packed words reach the read floor?
+
+Follow-up of probe_decode_read_pattern.py (PROBE_LAYOUT=1), which found its `tl` read of gemv_mma's pattern (8 rows
+x 64 bytes per warp load, one 128-code chunk per buffer, two buffers) 5-8% slower than whole 128-byte lines per row.
+Here the packed int4 words [N, K / 8] of the five Llama-3 shapes (random int32, sums checked against torch) are read
+in units of 32 words (two chunks, one 128-byte line) per row, 128 rows per program, split-K for P programs per SM:
+* `lines` (default): two units in flight per program in registers, three lane mappings of the same [128, 32] tile:
+  m0 = lane c loads words 4c..4c+3 then 16+4c.. (each instruction 8 rows x 64 contiguous bytes, gemv_mma's
+  mapping, both halves of a line back to back), m1 = lane c loads words 8c..8c+7 (the first instruction touches all
+  four sectors of each line), m2 = 4 rows x 128 contiguous bytes per instruction; `_ef`: the evict-first hint;
+* `--ring`: the copy engine (TMA) into a shared-memory ring: [128, W] boxes (W = 16: one chunk, 64-byte rows, as the
+  dropped TMA-fed decode variant; W = 32: 128-byte rows) in S slots, one CTA barrier per slot refill; with m0 w8 p2
+  of the register read as the reference;
+and bench_read_floor's contiguous read (contig_p64). CUDA graphs, weights rotated past L2, two rounds each (us_0,
+us_1). Run: PYTHONPATH=$PWD/src:$PWD/benchmarks python benchmarks/probe_decode_lines.py [--ring]
+Results: results/probe_decode_lines.json, probe_decode_ring.json."""
+import json
+import os
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from bench_read_floor import read_sum  # noqa: E402
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192)]
+
+
+@gluon.constexpr_function
+def _layout(mode, nw):
+    if mode == 0:
+        return gl.BlockedLayout([1, 4], [8, 4], [nw, 1], [1, 0])
+    if mode == 1:
+        return gl.BlockedLayout([1, 8], [8, 4], [nw, 1], [1, 0])
+    return gl.BlockedLayout([1, 4], [4, 8], [nw, 1], [1, 0])
+
+
+@gluon.jit
+def _lines_kernel(w, out, N, KW, units_per_split, n_units, BLOCK_N: gl.constexpr, MODE: gl.constexpr,
+                  EF: gl.constexpr, num_warps: gl.constexpr):
+    L: gl.constexpr = _layout(MODE, num_warps)
+    pid_n = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    u0 = pid_s * units_per_split
+    n = gl.minimum(units_per_split, n_units - u0)
+    rn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
+    rj = gl.arange(0, 32, layout=gl.SliceLayout(0, L))
+    ok = (rn < N)[:, None] & (rj >= 0)[None, :]
+    ptrs = w + rn.to(gl.int64)[:, None] * KW + u0 * 32 + rj[None, :]
+    policy: gl.constexpr = "evict_first" if EF else ""
+    acc = gl.zeros([BLOCK_N, 32], gl.int32, L)
+    a = gl.load(ptrs, mask=ok & (n > 0), eviction_policy=policy)
+    b = gl.load(ptrs + 32, mask=ok & (n > 1), eviction_policy=policy)
+    for t in range(0, n, 2):
+        acc += a
+        a = gl.load(ptrs + (t + 2) * 32, mask=ok & (t + 2 < n), eviction_policy=policy)
+        acc += b
+        b = gl.load(ptrs + (t + 3) * 32, mask=ok & (t + 3 < n), eviction_policy=policy)
+    gl.store(out + pid_n * gl.num_programs(1) + pid_s, gl.sum(gl.sum(acc, 1), 0))
+
+
+def lines_read(words2d, out, block_n, pps, sms, warps, mode, ef):
+    n, kw = words2d.shape
+    n_units = kw // 32
+    grid_n = triton.cdiv(n, block_n)
+    splits = max(1, min(n_units, pps * sms // grid_n))
+    ups = triton.cdiv(n_units, splits)
+    splits = triton.cdiv(n_units, ups)
+    _lines_kernel[(grid_n, splits)](words2d, out, n, kw, ups, n_units, BLOCK_N=block_n, MODE=mode, EF=ef,
+                                    num_warps=warps)
+    return grid_n * splits
+
+
+def main():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    rows = []
+    for k, n in SHAPES:
+        kw = k // 8
+        w = torch.randint(-2**31, 2**31 - 1, (n, kw), dtype=torch.int32, device="cuda")
+        exp = int(w.to(torch.int64).sum()) % (1 << 32)
+        for mode in (0, 1, 2):
+            out.zero_()
+            progs = lines_read(w, out, 128, 4, sms, 8, mode, False)
+            got = int(out[:progs].to(torch.int64).sum()) % (1 << 32)
+            assert got == exp, (k, n, mode, got, exp)
+        sets = [w] + [w.clone() for _ in range(common.rotation_count(w.numel() * 4) - 1)]
+        res = {"K": k, "N": n}
+        for r in range(2):
+            for warps in (4, 8):
+                for pps in (2, 4):
+                    for mode in (0, 1, 2):
+                        for ef in (False, True):
+                            key = f"m{mode}_w{warps}_p{pps}{'_ef' if ef else ''}_{r}"
+                            res[key] = common.graph_us(
+                                lambda q, warps=warps, pps=pps, mode=mode, ef=ef: lines_read(q, out, 128, pps, sms,
+                                                                                             warps, mode, ef),
+                                [(q,) for q in sets])
+            res[f"contig_p64_{r}"] = common.graph_us(lambda b: read_sum(b, out, 64 * sms, 2048, 8, True),
+                                                     [(q.view(-1),) for q in sets])
+        rows.append(res)
+        print(json.dumps({a: (round(v, 2) if isinstance(v, float) else v) for a, v in res.items()}), flush=True)
+        del sets, w
+        torch.cuda.empty_cache()
+    write(rows, "probe_decode_lines", "register reads: three lane mappings of whole-line units")
+
+
+
+
+@gluon.jit
+def _ring_kernel(desc, out, units_per_split, n_units, S: gl.constexpr, num_warps: gl.constexpr):
+    BN: gl.constexpr = desc.block_type.shape[0]
+    W: gl.constexpr = desc.block_type.shape[1]
+    L: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0])
+    pid_n = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    u0 = pid_s * units_per_split
+    n = gl.minimum(units_per_split, n_units - u0)
+    smem = gl.allocate_shared_memory(gl.int32, [S, BN, W], desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(S):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(S):
+        mbarrier.expect(ready.index(i), desc.block_type.nbytes, pred=i < n)
+        _tma_load(desc, [pid_n * BN, (u0 + i) * W], ready.index(i), smem.index(i), pred=i < n)
+    acc = gl.zeros([BN, W], gl.int32, L)
+    for t in range(0, n):
+        slot = t % S
+        mbarrier.wait(ready.index(slot), (t // S) & 1)
+        acc += smem.index(slot).load(L)
+        _barrier()
+        fill = t + S < n
+        mbarrier.expect(ready.index(slot), desc.block_type.nbytes, pred=fill)
+        _tma_load(desc, [pid_n * BN, (u0 + t + S) * W], ready.index(slot), smem.index(slot), pred=fill)
+    gl.store(out + pid_n * gl.num_programs(1) + pid_s, gl.sum(gl.sum(acc, 1), 0))
+
+
+def ring_read(words2d, out, block_n, w, stages, pps, sms, warps):
+    n, kw = words2d.shape
+    n_units = kw // w
+    grid_n = triton.cdiv(n, block_n)
+    splits = max(1, min(n_units, pps * sms // grid_n))
+    ups = triton.cdiv(n_units, splits)
+    splits = triton.cdiv(n_units, ups)
+    lay = gl.NVMMASharedLayout.get_default_for([block_n, w], gl.int32)
+    desc = TensorDescriptor(words2d, list(words2d.shape), list(words2d.stride()), [block_n, w], lay)
+    _ring_kernel[(grid_n, splits)](desc, out, ups, n_units, S=stages, num_warps=warps)
+    return grid_n * splits
+
+
+def main_ring():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    rows = []
+    cfgs = [(16, 4), (16, 8), (32, 2), (32, 4)]
+    for k, n in SHAPES:
+        kw = k // 8
+        w = torch.randint(-2**31, 2**31 - 1, (n, kw), dtype=torch.int32, device="cuda")
+        exp = int(w.to(torch.int64).sum()) % (1 << 32)
+        for wd, s in cfgs:
+            out.zero_()
+            progs = ring_read(w, out, 128, wd, s, 2, sms, 4)
+            got = int(out[:progs].to(torch.int64).sum()) % (1 << 32)
+            assert got == exp, (k, n, wd, s, got, exp)
+        sets = [w] + [w.clone() for _ in range(common.rotation_count(w.numel() * 4) - 1)]
+        res = {"K": k, "N": n}
+        for r in range(2):
+            for warps in (4, 8):
+                for pps in (2, 4):
+                    for wd, s in cfgs:
+                        if pps == 4 and wd * s > 64:
+                            continue
+                        key = f"ring_W{wd}_S{s}_w{warps}_p{pps}_{r}"
+                        res[key] = common.graph_us(
+                            lambda q, wd=wd, s=s, warps=warps, pps=pps: ring_read(q, out, 128, wd, s, pps, sms, warps),
+                            [(q,) for q in sets])
+            res[f"m0_w8_p2_{r}"] = common.graph_us(lambda q: lines_read(q, out, 128, 2, sms, 8, 0, False),
+                                                   [(q,) for q in sets])
+            res[f"contig_p64_{r}"] = common.graph_us(lambda b: read_sum(b, out, 64 * sms, 2048, 8, True),
+                                                     [(q.view(-1),) for q in sets])
+        rows.append(res)
+        print(json.dumps({a: (round(v, 2) if isinstance(v, float) else v) for a, v in res.items()}), flush=True)
+        del sets, w
+        torch.cuda.empty_cache()
+    write(rows, "probe_decode_ring", "copy-engine ring reads, 64- vs 128-byte box rows")
+
+
+def flatten(rows):
+    """One row per (shape, read) from the per-shape dicts: both rounds and the packed words' GB/s at the faster."""
+    flat = []
+    for res in rows:
+        nbytes = res["K"] // 8 * res["N"] * 4
+        for key in [k2 for k2 in res if k2.endswith("_0")]:
+            label = key[:-2]
+            us = [res[f"{label}_{r}"] for r in range(2)]
+            flat.append({"K": res["K"], "N": res["N"], "read": label, "us_0": us[0], "us_1": us[1],
+                         "GBs": nbytes / min(us) / 1e3})
+    return flat
+
+
+def write(rows, name, what, notes=""):
+    common.write_result(name, f"W4A16 decode words, Gluon reads: {what}", flatten(rows),
+                        notes=__doc__.split("Run:")[0].replace("\n", " ") + notes)
+
+
+if __name__ == "__main__":
+    main_ring() if "--ring" in sys.argv else main()
