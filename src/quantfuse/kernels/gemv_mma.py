@@ -131,6 +131,10 @@ class MmaDecodeConfig:
 # 16.7 vs 18.2, 8192x10240 22.7 vs 24.2. Why: a read-only kernel with this kernel's access pattern (8 rows x 64
 # bytes per warp load, float32 scales) streamed 4096x28672's bytes in 27.4 us against 30.6 for the kernel
 # (results/tune_gemv_mma_pattern_read.json): the loads waited on the conversion.
+# Loading both halves of each row's 128-byte line back to back (chunks t + 2 and t + 3 at the top of each pair, a
+# fourth chunk of registers) measured 0.957-1.028x this pick, although a plain read of the words runs 5-8% faster
+# with both halves in one buffer than one chunk per buffer (results/tune_gemv_mma_paired.json, probe_decode_lines.json,
+# tune_gemv_mma_layout_read_words.json): the kernel's time is not in how its loads meet the lines; not kept.
 # x through the shared-memory ring at M <= 8 (where x takes half the registers it takes at 9..16): the best of five
 # ring configs ran 0.86-1.00x this pick per case on eight shapes (results/tune_gemv_mma_x_ring.json, M = 1 / 4 / 8),
 # so none is a candidate.
