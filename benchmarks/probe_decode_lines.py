@@ -79,38 +79,47 @@ def lines_read(words2d, out, block_n, pps, sms, warps, mode, ef):
     return grid_n * splits
 
 
-def main():
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+def _run(name, what, checks, time_round):
+    """Per shape: random words, each of `checks` (label, read(words, out) -> programs) summed right, then two
+    rounds of `time_round(res, r, sets, out)` and the contiguous read; the result file `name`."""
     out = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for k, n in SHAPES:
-        kw = k // 8
-        w = torch.randint(-2**31, 2**31 - 1, (n, kw), dtype=torch.int32, device="cuda")
+        w = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
         exp = int(w.to(torch.int64).sum()) % (1 << 32)
-        for mode in (0, 1, 2):
+        for label, read in checks(sms):
             out.zero_()
-            progs = lines_read(w, out, 128, 4, sms, 8, mode, False)
+            progs = read(w, out)
             got = int(out[:progs].to(torch.int64).sum()) % (1 << 32)
-            assert got == exp, (k, n, mode, got, exp)
+            assert got == exp, (k, n, label, got, exp)
         sets = [w] + [w.clone() for _ in range(common.rotation_count(w.numel() * 4) - 1)]
         res = {"K": k, "N": n}
         for r in range(2):
-            for warps in (4, 8):
-                for pps in (2, 4):
-                    for mode in (0, 1, 2):
-                        for ef in (False, True):
-                            key = f"m{mode}_w{warps}_p{pps}{'_ef' if ef else ''}_{r}"
-                            res[key] = common.graph_us(
-                                lambda q, warps=warps, pps=pps, mode=mode, ef=ef: lines_read(q, out, 128, pps, sms,
-                                                                                             warps, mode, ef),
-                                [(q,) for q in sets])
+            time_round(res, r, [(q,) for q in sets], out, sms)
             res[f"contig_p64_{r}"] = common.graph_us(lambda b: read_sum(b, out, 64 * sms, 2048, 8, True),
                                                      [(q.view(-1),) for q in sets])
         rows.append(res)
         print(json.dumps({a: (round(v, 2) if isinstance(v, float) else v) for a, v in res.items()}), flush=True)
         del sets, w
         torch.cuda.empty_cache()
-    write(rows, "probe_decode_lines", "register reads: three lane mappings of whole-line units")
+    write(rows, name, what)
+
+
+def main():
+    def checks(sms):
+        return [(f"m{m}", lambda w, o, m=m: lines_read(w, o, 128, 4, sms, 8, m, False)) for m in (0, 1, 2)]
+
+    def time_round(res, r, sets, out, sms):
+        for warps in (4, 8):
+            for pps in (2, 4):
+                for mode in (0, 1, 2):
+                    for ef in (False, True):
+                        res[f"m{mode}_w{warps}_p{pps}{'_ef' if ef else ''}_{r}"] = common.graph_us(
+                            lambda q, warps=warps, pps=pps, mode=mode, ef=ef: lines_read(q, out, 128, pps, sms,
+                                                                                         warps, mode, ef), sets)
+
+    _run("probe_decode_lines", "register reads: three lane mappings of whole-line units", checks, time_round)
 
 
 
@@ -156,41 +165,26 @@ def ring_read(words2d, out, block_n, w, stages, pps, sms, warps):
     return grid_n * splits
 
 
+RING_CONFIGS = [(16, 4), (16, 8), (32, 2), (32, 4)]  # (box width W in words, slots S)
+
+
 def main_ring():
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    out = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
-    rows = []
-    cfgs = [(16, 4), (16, 8), (32, 2), (32, 4)]
-    for k, n in SHAPES:
-        kw = k // 8
-        w = torch.randint(-2**31, 2**31 - 1, (n, kw), dtype=torch.int32, device="cuda")
-        exp = int(w.to(torch.int64).sum()) % (1 << 32)
-        for wd, s in cfgs:
-            out.zero_()
-            progs = ring_read(w, out, 128, wd, s, 2, sms, 4)
-            got = int(out[:progs].to(torch.int64).sum()) % (1 << 32)
-            assert got == exp, (k, n, wd, s, got, exp)
-        sets = [w] + [w.clone() for _ in range(common.rotation_count(w.numel() * 4) - 1)]
-        res = {"K": k, "N": n}
-        for r in range(2):
-            for warps in (4, 8):
-                for pps in (2, 4):
-                    for wd, s in cfgs:
-                        if pps == 4 and wd * s > 64:
-                            continue
-                        key = f"ring_W{wd}_S{s}_w{warps}_p{pps}_{r}"
-                        res[key] = common.graph_us(
-                            lambda q, wd=wd, s=s, warps=warps, pps=pps: ring_read(q, out, 128, wd, s, pps, sms, warps),
-                            [(q,) for q in sets])
-            res[f"m0_w8_p2_{r}"] = common.graph_us(lambda q: lines_read(q, out, 128, 2, sms, 8, 0, False),
-                                                   [(q,) for q in sets])
-            res[f"contig_p64_{r}"] = common.graph_us(lambda b: read_sum(b, out, 64 * sms, 2048, 8, True),
-                                                     [(q.view(-1),) for q in sets])
-        rows.append(res)
-        print(json.dumps({a: (round(v, 2) if isinstance(v, float) else v) for a, v in res.items()}), flush=True)
-        del sets, w
-        torch.cuda.empty_cache()
-    write(rows, "probe_decode_ring", "copy-engine ring reads, 64- vs 128-byte box rows")
+    def checks(sms):
+        return [(f"W{wd} S{st}", lambda w, o, wd=wd, st=st: ring_read(w, o, 128, wd, st, 2, sms, 4))
+                for wd, st in RING_CONFIGS]
+
+    def time_round(res, r, sets, out, sms):
+        for warps in (4, 8):
+            for pps in (2, 4):
+                for wd, st in RING_CONFIGS:
+                    if pps == 4 and wd * st > 64:
+                        continue
+                    res[f"ring_W{wd}_S{st}_w{warps}_p{pps}_{r}"] = common.graph_us(
+                        lambda q, wd=wd, st=st, warps=warps, pps=pps: ring_read(q, out, 128, wd, st, pps, sms, warps),
+                        sets)
+        res[f"m0_w8_p2_{r}"] = common.graph_us(lambda q: lines_read(q, out, 128, 2, sms, 8, 0, False), sets)
+
+    _run("probe_decode_ring", "copy-engine ring reads, 64- vs 128-byte box rows", checks, time_round)
 
 
 def flatten(rows):
