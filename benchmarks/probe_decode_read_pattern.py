@@ -78,6 +78,9 @@ def pattern_read(qw, out, block_n, pps, sms, warps, scales, rows=0, ef=False, wo
     """The pattern kernel over qw's packed words (and float32 scales if `scales`), `words` int32 per row and chunk
     (16: the decode kernel's 128 codes); see _pattern_kernel for rows."""
     n, kw = qw.qweight.shape
+    if kw % words or (rows and n % rows):
+        raise SystemExit(f"pattern read: {n} rows of {kw} words split into whole {words}-word chunks of {rows or 1}"
+                         " rows only")
     n_chunks = kw // words
     grid_n = triton.cdiv(n, block_n)
     splits = max(1, min(n_chunks, pps * sms // grid_n))
