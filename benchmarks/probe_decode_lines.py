@@ -11,9 +11,11 @@ in units of 32 words (two chunks, one 128-byte line) per row, 128 rows per progr
 * `--ring`: the copy engine (TMA) into a shared-memory ring: [128, W] boxes (W = 16: one chunk, 64-byte rows, as the
   dropped TMA-fed decode variant; W = 32: 128-byte rows) in S slots, one CTA barrier per slot refill; with m0 w8 p2
   of the register read as the reference;
+* `--cp-ring`: cp.async (16 bytes a thread, each thread reading back its own words) into a ring of S units of W
+  words per row (Triton adds a CTA barrier before each refill and after each wait), with m0 w8 p2 as the reference;
 and bench_read_floor's contiguous read (contig_p64). CUDA graphs, weights rotated past L2, two rounds each (us_0,
-us_1). Run: PYTHONPATH=$PWD/src:$PWD/benchmarks python benchmarks/probe_decode_lines.py [--ring]
-Results: results/probe_decode_lines.json, probe_decode_ring.json."""
+us_1). Run: PYTHONPATH=$PWD/src:$PWD/benchmarks python benchmarks/probe_decode_lines.py [--ring | --cp-ring]
+Results: results/probe_decode_lines.json, probe_decode_ring.json, probe_decode_cp_ring.json."""
 import json
 import os
 import sys
@@ -22,6 +24,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -187,6 +190,70 @@ def main_ring():
     _run("probe_decode_ring", "copy-engine ring reads, 64- vs 128-byte box rows", checks, time_round)
 
 
+@gluon.jit
+def _cp_ring_kernel(w, out, N, KW, units_per_split, n_units, BLOCK_N: gl.constexpr, W: gl.constexpr,
+                   S: gl.constexpr, num_warps: gl.constexpr):
+    # each thread copies (cp.async, 16 bytes) and later reads back only its own words, so waiting for its own
+    # copy groups is enough: no CTA barrier, S - 1 units in flight without registers
+    L: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (W // 4), W // 4], [num_warps, 1], [1, 0])
+    SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    pid_n = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    u0 = pid_s * units_per_split
+    n = gl.minimum(units_per_split, n_units - u0)
+    rn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
+    rj = gl.arange(0, W, layout=gl.SliceLayout(0, L))
+    ok = (rn < N)[:, None] & (rj >= 0)[None, :]
+    ptrs = w + rn.to(gl.int64)[:, None] * KW + u0 * W + rj[None, :]
+    smem = gl.allocate_shared_memory(gl.int32, [S, BLOCK_N, W], SL)
+    for i in gl.static_range(S - 1):
+        async_copy.async_copy_global_to_shared(smem.index(i), ptrs + i * W, mask=ok & (i < n))
+        async_copy.commit_group()
+    acc = gl.zeros([BLOCK_N, W], gl.int32, L)
+    for t in range(0, n):
+        nxt = t + S - 1
+        async_copy.async_copy_global_to_shared(smem.index(nxt % S), ptrs + nxt * W, mask=ok & (nxt < n))
+        async_copy.commit_group()
+        async_copy.wait_group(S - 1)
+        acc += smem.index(t % S).load(L)
+    async_copy.wait_group(0)
+    gl.store(out + pid_n * gl.num_programs(1) + pid_s, gl.sum(gl.sum(acc, 1), 0))
+
+
+def cp_ring_read(words2d, out, block_n, w, stages, pps, sms, warps):
+    n, kw = words2d.shape
+    n_units = kw // w
+    grid_n = triton.cdiv(n, block_n)
+    splits = max(1, min(n_units, pps * sms // grid_n))
+    ups = triton.cdiv(n_units, splits)
+    splits = triton.cdiv(n_units, ups)
+    _cp_ring_kernel[(grid_n, splits)](words2d, out, n, kw, ups, n_units, BLOCK_N=block_n, W=w, S=stages,
+                                      num_warps=warps)
+    return grid_n * splits
+
+
+CP_RING_CONFIGS = [(16, 4), (16, 8), (32, 4), (32, 8)]  # (unit width W in words, slots S)
+
+
+def main_cp_ring():
+    def checks(sms):
+        return [(f"W{wd} S{st}", lambda w, o, wd=wd, st=st: cp_ring_read(w, o, 128, wd, st, 2, sms, 8))
+                for wd, st in CP_RING_CONFIGS]
+
+    def time_round(res, r, sets, out, sms):
+        for warps in (4, 8):
+            for pps in (1, 2):
+                for wd, st in CP_RING_CONFIGS:
+                    if pps == 2 and wd * st > 128:
+                        continue
+                    res[f"cp_W{wd}_S{st}_w{warps}_p{pps}_{r}"] = common.graph_us(
+                        lambda q, wd=wd, st=st, warps=warps, pps=pps: cp_ring_read(q, out, 128, wd, st, pps, sms,
+                                                                                   warps), sets)
+        res[f"m0_w8_p2_{r}"] = common.graph_us(lambda q: lines_read(q, out, 128, 2, sms, 8, 0, False), sets)
+
+    _run("probe_decode_cp_ring", "cp.async ring reads (each thread its own words)", checks, time_round)
+
+
 def flatten(rows):
     """One row per (shape, read) from the per-shape dicts: both rounds and the packed words' GB/s at the faster."""
     flat = []
@@ -206,4 +273,9 @@ def write(rows, name, what, notes=""):
 
 
 if __name__ == "__main__":
-    main_ring() if "--ring" in sys.argv else main()
+    if "--ring" in sys.argv:
+        main_ring()
+    elif "--cp-ring" in sys.argv:
+        main_cp_ring()
+    else:
+        main()
