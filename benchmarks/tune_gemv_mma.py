@@ -9,13 +9,15 @@ config says). Each config's output is first compared with x @ W.T in float32 for
 (mean |delta| / mean |ref|; the shipped path's error is reported too); a config over 3e-3 (a bf16 output rounding
 is ~1e-3) is reported and not timed.
 W4A16 g128 symmetric, float32 scales, bf16 x. Env: TUNE_CONFIGS ("block_n,warps,programs_per_sm[,fused_reduce
-0/1[,early_refill 0/1[,x_group]]];...", default: the candidates of M's bucket), TUNE_KN ("K:N,..."), TUNE_M ("1,16"),
+0/1[,early_refill 0/1[,x_group[,evict_first 0/1]]]];...", default: the candidates of M's bucket, each with the pick's
+evict-first hint for the weight's size), TUNE_KN ("K:N,..."), TUNE_M ("1,16"),
 TUNE_OUT_NAME (default tune_gemv_mma).
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_gemv_mma.py
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -35,16 +37,21 @@ from quantfuse.kernels import weight_only as kw  # noqa: E402
 BF16 = torch.bfloat16
 
 
-def _configs(m: int):
+def _configs(m: int, weights: int):
+    """TUNE_CONFIGS as given, or M's candidates each with the evict-first hint the pick takes for a weight of
+    `weights` codes (pick_config's EVICT_FIRST_BELOW rule), so a candidate and the pick differ only in their
+    config fields."""
     spec = os.environ.get("TUNE_CONFIGS")
     if not spec:
-        return gm.candidates(m, torch.device("cuda"))
+        hint = gm.pick_config(m, torch.device("cuda"), weights).evict_first
+        return [dataclasses.replace(c, evict_first=hint) for c in gm.candidates(m, torch.device("cuda"))]
     return [gm.MmaDecodeConfig(*[int(v) for v in item.split(",")]) for item in spec.split(";") if item]
 
 
 def _short(c) -> str:
     return (f"{c.block_n} w{c.num_warps} p{c.programs_per_sm}" + ("" if c.fused_reduce else " reduce-kernel")
-            + (" early" if c.early_refill else "") + (f" xs{c.x_group}" if c.x_group else ""))
+            + (" early" if c.early_refill else "") + (f" xs{c.x_group}" if c.x_group else "")
+            + (" ef" if c.evict_first else ""))
 
 
 def main():
@@ -91,7 +98,7 @@ def main():
                              vs_bf16=bf16_us / ship_us, vs_tinygemm=tiny_us / ship_us, vs_shipped=1.0,
                              frac_copy_bw=nbytes / (ship_us * 1e-6) / 1e9 / bw,
                              rel_err=common.mean_rel_diff(want, ref)))
-            variants = _configs(m)
+            variants = _configs(m, n * k)
             for cfg in variants:
                 def ours(x_, q, cfg=cfg):
                     return kw.gemv_mma_mm(x_, q.qweight, q.scales, q.zeros, None, q.group_size, n, config=cfg)
