@@ -134,7 +134,9 @@ class MmaDecodeConfig:
 # Loading both halves of each row's 128-byte line back to back (chunks t + 2 and t + 3 at the top of each pair, a
 # fourth chunk of registers) measured 0.957-1.028x this pick, although a plain read of the words runs 5-8% faster
 # with both halves in one buffer than one chunk per buffer (results/tune_gemv_mma_paired.json, probe_decode_lines.json,
-# tune_gemv_mma_layout_read_words.json): the kernel's time is not in how its loads meet the lines; not kept.
+# tune_gemv_mma_layout_read_words.json): the kernel's time is not in how its loads meet the lines; not kept. Nor was
+# prefetch.global.L2 of each row's chunk 2 / 4 / 8 ahead (more of the weight in flight without registers): 0.80-0.99x
+# this pick on eight shapes at M = 1 / 8 / 16 (results/tune_gemv_mma_prefetch.json).
 # x through the shared-memory ring at M <= 8 (where x takes half the registers it takes at 9..16): the best of five
 # ring configs ran 0.86-1.00x this pick per case on eight shapes (results/tune_gemv_mma_x_ring.json, M = 1 / 4 / 8),
 # so none is a candidate.
