@@ -70,13 +70,18 @@ def _lines_kernel(w, out, N, KW, units_per_split, n_units, BLOCK_N: gl.constexpr
     gl.store(out + pid_n * gl.num_programs(1) + pid_s, gl.sum(gl.sum(acc, 1), 0))
 
 
-def lines_read(words2d, out, block_n, pps, sms, warps, mode, ef):
-    n, kw = words2d.shape
-    n_units = kw // 32
+def _split_plan(n, n_units, block_n, pps, sms):
+    """(row blocks, splits, units per split): split-K for about pps programs per SM, as the decode kernel does."""
     grid_n = triton.cdiv(n, block_n)
     splits = max(1, min(n_units, pps * sms // grid_n))
     ups = triton.cdiv(n_units, splits)
-    splits = triton.cdiv(n_units, ups)
+    return grid_n, triton.cdiv(n_units, ups), ups
+
+
+def lines_read(words2d, out, block_n, pps, sms, warps, mode, ef):
+    n, kw = words2d.shape
+    n_units = kw // 32
+    grid_n, splits, ups = _split_plan(n, n_units, block_n, pps, sms)
     _lines_kernel[(grid_n, splits)](words2d, out, n, kw, ups, n_units, BLOCK_N=block_n, MODE=mode, EF=ef,
                                     num_warps=warps)
     return grid_n * splits
@@ -158,43 +163,45 @@ def _ring_kernel(desc, out, units_per_split, n_units, S: gl.constexpr, num_warps
 def ring_read(words2d, out, block_n, w, stages, pps, sms, warps):
     n, kw = words2d.shape
     n_units = kw // w
-    grid_n = triton.cdiv(n, block_n)
-    splits = max(1, min(n_units, pps * sms // grid_n))
-    ups = triton.cdiv(n_units, splits)
-    splits = triton.cdiv(n_units, ups)
+    grid_n, splits, ups = _split_plan(n, n_units, block_n, pps, sms)
     lay = gl.NVMMASharedLayout.get_default_for([block_n, w], gl.int32)
     desc = TensorDescriptor(words2d, list(words2d.shape), list(words2d.stride()), [block_n, w], lay)
     _ring_kernel[(grid_n, splits)](desc, out, ups, n_units, S=stages, num_warps=warps)
     return grid_n * splits
 
 
-RING_CONFIGS = [(16, 4), (16, 8), (32, 2), (32, 4)]  # (box width W in words, slots S)
-
-
-def main_ring():
+def _ring_sweep(name, what, prefix, read, configs, programs, check_programs, fits):
+    """A shared-memory ring reader `read(words, out, block_n, W, S, pps, sms, warps)` over its (W, S) configs at
+    4 / 8 warps and the `programs` per SM where `fits(pps, W, S)`, with the register read m0 w8 p2 beside it."""
     def checks(sms):
-        return [(f"W{wd} S{st}", lambda w, o, wd=wd, st=st: ring_read(w, o, 128, wd, st, 2, sms, 4))
-                for wd, st in RING_CONFIGS]
+        return [(f"W{wd} S{st}", lambda w, o, wd=wd, st=st: read(w, o, 128, wd, st, check_programs, sms, 4))
+                for wd, st in configs]
 
     def time_round(res, r, sets, out, sms):
         for warps in (4, 8):
-            for pps in (2, 4):
-                for wd, st in RING_CONFIGS:
-                    if pps == 4 and wd * st > 64:
-                        continue
-                    res[f"ring_W{wd}_S{st}_w{warps}_p{pps}_{r}"] = common.graph_us(
-                        lambda q, wd=wd, st=st, warps=warps, pps=pps: ring_read(q, out, 128, wd, st, pps, sms, warps),
-                        sets)
+            for pps in programs:
+                for wd, st in configs:
+                    if fits(pps, wd, st):
+                        res[f"{prefix}_W{wd}_S{st}_w{warps}_p{pps}_{r}"] = common.graph_us(
+                            lambda q, wd=wd, st=st, warps=warps, pps=pps: read(q, out, 128, wd, st, pps, sms, warps),
+                            sets)
         res[f"m0_w8_p2_{r}"] = common.graph_us(lambda q: lines_read(q, out, 128, 2, sms, 8, 0, False), sets)
 
-    _run("probe_decode_ring", "copy-engine ring reads, 64- vs 128-byte box rows", checks, time_round)
+    _run(name, what, checks, time_round)
+
+
+def main_ring():
+    # (box width W in words, slots S); four programs per SM only where a program's ring is at most 32 KB
+    _ring_sweep("probe_decode_ring", "copy-engine ring reads, 64- vs 128-byte box rows", "ring", ring_read,
+                [(16, 4), (16, 8), (32, 2), (32, 4)], (2, 4), 2, lambda pps, wd, st: pps == 2 or wd * st <= 64)
 
 
 @gluon.jit
 def _cp_ring_kernel(w, out, N, KW, units_per_split, n_units, BLOCK_N: gl.constexpr, W: gl.constexpr,
                    S: gl.constexpr, num_warps: gl.constexpr):
     # each thread copies (cp.async, 16 bytes) and later reads back only its own words, so waiting for its own
-    # copy groups is enough: no CTA barrier, S - 1 units in flight without registers
+    # copy groups would be enough (Triton still adds CTA barriers around the wait); S - 1 units in flight without
+    # registers
     L: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (W // 4), W // 4], [num_warps, 1], [1, 0])
     SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     pid_n = gl.program_id(0)
@@ -223,35 +230,16 @@ def _cp_ring_kernel(w, out, N, KW, units_per_split, n_units, BLOCK_N: gl.constex
 def cp_ring_read(words2d, out, block_n, w, stages, pps, sms, warps):
     n, kw = words2d.shape
     n_units = kw // w
-    grid_n = triton.cdiv(n, block_n)
-    splits = max(1, min(n_units, pps * sms // grid_n))
-    ups = triton.cdiv(n_units, splits)
-    splits = triton.cdiv(n_units, ups)
+    grid_n, splits, ups = _split_plan(n, n_units, block_n, pps, sms)
     _cp_ring_kernel[(grid_n, splits)](words2d, out, n, kw, ups, n_units, BLOCK_N=block_n, W=w, S=stages,
                                       num_warps=warps)
     return grid_n * splits
 
 
-CP_RING_CONFIGS = [(16, 4), (16, 8), (32, 4), (32, 8)]  # (unit width W in words, slots S)
-
-
 def main_cp_ring():
-    def checks(sms):
-        return [(f"W{wd} S{st}", lambda w, o, wd=wd, st=st: cp_ring_read(w, o, 128, wd, st, 2, sms, 8))
-                for wd, st in CP_RING_CONFIGS]
-
-    def time_round(res, r, sets, out, sms):
-        for warps in (4, 8):
-            for pps in (1, 2):
-                for wd, st in CP_RING_CONFIGS:
-                    if pps == 2 and wd * st > 128:
-                        continue
-                    res[f"cp_W{wd}_S{st}_w{warps}_p{pps}_{r}"] = common.graph_us(
-                        lambda q, wd=wd, st=st, warps=warps, pps=pps: cp_ring_read(q, out, 128, wd, st, pps, sms,
-                                                                                   warps), sets)
-        res[f"m0_w8_p2_{r}"] = common.graph_us(lambda q: lines_read(q, out, 128, 2, sms, 8, 0, False), sets)
-
-    _run("probe_decode_cp_ring", "cp.async ring reads (each thread its own words)", checks, time_round)
+    # (unit width W in words, slots S); two programs per SM only where a program's ring is at most 64 KB
+    _ring_sweep("probe_decode_cp_ring", "cp.async ring reads (each thread its own words)", "cp", cp_ring_read,
+                [(16, 4), (16, 8), (32, 4), (32, 8)], (1, 2), 2, lambda pps, wd, st: pps == 1 or wd * st <= 128)
 
 
 def flatten(rows):
