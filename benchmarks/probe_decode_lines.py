@@ -22,18 +22,16 @@ import sys
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from bench_read_floor import read_sum  # noqa: E402
 
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+# the package's Gluon imports, with the renames between Triton releases folded (kernels/_gluon.py)
+from quantfuse.kernels._gluon import TensorDescriptor, gl, gluon, mbarrier  # noqa: E402
+from quantfuse.kernels._gluon import cta_barrier as _barrier  # noqa: E402
+from quantfuse.kernels._gluon import tma_load as _tma_load  # noqa: E402
 SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192)]
 
 

@@ -91,6 +91,7 @@ def pattern_read(qw, out, block_n, pps, sms, warps, scales, rows=0, ef=False, wo
 
 
 LAYOUT = os.environ.get("PROBE_LAYOUT", "") == "1"
+WORDS_STUDY = os.environ.get("PROBE_WORDS", "") == "1"
 
 
 def candidates():
@@ -102,7 +103,7 @@ def candidates():
                 for sc in (False, True):
                     yield f"pattern_b{bn}_p{pps}{'_s' if sc else ''}", dict(block_n=bn, pps=pps, warps=4, scales=sc)
         return
-    if os.environ.get("PROBE_WORDS", "") == "1":
+    if WORDS_STUDY:
         # words only (no scales): row-major with 128 / 256 bytes of a row per chunk, against 64 bytes row-major
         # and row-grouped by 8
         for warps in (4, 8):
@@ -179,7 +180,7 @@ def main():
             us = [res[f"{label}_{r}"] for r in range(2)]
             flat.append({"K": res["K"], "N": res["N"], "read": label, "us_0": us[0], "us_1": us[1],
                          "GBs": res["bytes"] / min(us) / 1e3})
-    name = ("tune_gemv_mma_layout_read" + ("_words" if os.environ.get("PROBE_WORDS", "") == "1" else "")
+    name = ("tune_gemv_mma_layout_read" + ("_words" if WORDS_STUDY else "")
             if LAYOUT else "tune_gemv_mma_pattern_read") + (f"_l2fetch{l2_fetch}" if l2_fetch else "")
     common.write_result(name, "W4A16 M=1 decode vs reads of its own access pattern", flat,
                         notes=__doc__.split("Run:")[0].replace("\n", " "))
