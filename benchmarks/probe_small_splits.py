@@ -7,7 +7,8 @@ splits forced to each of P_SPLITS: gemv_mma (int4, M <= 16), the tl tiles (`weig
 w8_decode (int8 per channel). A forced variant's output is compared with the shipped one first (mean |delta| /
 mean |ref| over 3e-3: reported, not timed).
 W4A16 g128 symmetric and W8A16 per channel, float32 scales, bf16 x. Env: P_KN (BENCH_KN spelling, default the four
-smallest Llama-3.2 shapes and 8192x2048), P_MS (default 16,32,64), P_SPLITS (default 1,2,4,8,16), P_OUT.
+smallest Llama-3.2 shapes and 8192x2048), P_MS (default 16,32,64), P_SPLITS (default 1,2,4,8,16), P_BITS (default
+4,8), P_OUT.
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/probe_small_splits.py
 """
 
@@ -51,7 +52,7 @@ def main():
     split_list = [int(v) for v in os.environ.get("P_SPLITS", "1,2,4,8,16").split(",") if v]
     rows = []
     start = time.time()
-    for bits in (4, 8):
+    for bits in [int(v) for v in os.environ.get("P_BITS", "4,8").split(",") if v]:
         for k, n in kns:
             qw_sets, w_sets = rotated_weights(bits, k, n)
             qw = qw_sets[0]

@@ -11,7 +11,8 @@ is ~1e-3) is reported and not timed.
 W4A16 g128 symmetric, float32 scales, bf16 x. Env: TUNE_CONFIGS ("block_n,warps,programs_per_sm[,fused_reduce
 0/1[,early_refill 0/1[,x_group[,evict_first 0/1]]]];...", default: the candidates of M's bucket, each with the pick's
 evict-first hint for the weight's size), TUNE_KN ("K:N,..."), TUNE_M ("1,16"),
-TUNE_OUT_NAME (default tune_gemv_mma).
+TUNE_OUT_NAME (default tune_gemv_mma), ROUNDS (default 1: each variant timed ROUNDS times in alternated rounds, the
+median kept).
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_gemv_mma.py
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import sys
 import time
 
@@ -54,6 +56,16 @@ def _short(c) -> str:
             + (" ef" if c.evict_first else ""))
 
 
+def _without_kernel(fn):
+    """fn() with weight_only_mm's dispatch not taking this kernel (the "shipped dispatch" rows: the tl kernels)."""
+    prefer = kw.prefer_gemv_mma
+    kw.prefer_gemv_mma = lambda *a: False
+    try:
+        return fn()
+    finally:
+        kw.prefer_gemv_mma = prefer
+
+
 def main():
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -61,6 +73,7 @@ def main():
     print(f"copy {bw:.0f} GB/s", flush=True)
     kns = _kn()
     ms = [int(v) for v in os.environ.get("TUNE_M", "1,2,4,8,16").split(",") if v]
+    rounds = int(os.environ.get("ROUNDS", "1"))
     rows = []
     start = time.time()
     for k, n in kns:
@@ -87,17 +100,9 @@ def main():
             def shipped(x_, q):
                 return qf.weight_only_mm(x_, q)
 
-            prefer = kw.prefer_gemv_mma
-            kw.prefer_gemv_mma = lambda *a: False  # the dispatch without this kernel
-            try:
-                want = shipped(x, qw)
-                ship_us = common.graph_us(shipped, sets)
-            finally:
-                kw.prefer_gemv_mma = prefer
-            rows.append(dict(base, config="shipped dispatch", us=ship_us, bf16_us=bf16_us, tinygemm_us=tiny_us,
-                             vs_bf16=bf16_us / ship_us, vs_tinygemm=tiny_us / ship_us, vs_shipped=1.0,
-                             frac_copy_bw=nbytes / (ship_us * 1e-6) / 1e9 / bw,
-                             rel_err=common.mean_rel_diff(want, ref)))
+            want = _without_kernel(lambda: shipped(x, qw))
+            timed = [("shipped dispatch", lambda: _without_kernel(lambda: common.graph_us(shipped, sets)),
+                      common.mean_rel_diff(want, ref))]
             variants = _configs(m, n * k)
             for cfg in variants:
                 def ours(x_, q, cfg=cfg):
@@ -114,19 +119,28 @@ def main():
                     rows.append(dict(base, config=label, rel_err=err, error="mismatch"))
                     print(rows[-1], flush=True)
                     continue
-                us = common.graph_us(ours, sets)
-                rows.append(dict(base, config=label, us=us, bf16_us=bf16_us, tinygemm_us=tiny_us,
-                                 vs_bf16=bf16_us / us, vs_tinygemm=tiny_us / us, vs_shipped=ship_us / us,
+                timed.append((label, lambda ours=ours: common.graph_us(ours, sets), err))
+            times = {label: [] for label, _, _ in timed}
+            for _ in range(rounds):  # alternated: every variant once per round
+                for label, run, _ in timed:
+                    times[label].append(run())
+            ship_us = statistics.median(times["shipped dispatch"])
+            for label, _, err in timed:
+                us = statistics.median(times[label])
+                rows.append(dict(base, config=label, us=us, us_min=min(times[label]), us_max=max(times[label]),
+                                 bf16_us=bf16_us, tinygemm_us=tiny_us, vs_bf16=bf16_us / us,
+                                 vs_tinygemm=tiny_us / us, vs_shipped=ship_us / us,
                                  frac_copy_bw=nbytes / (us * 1e-6) / 1e9 / bw, rel_err=err))
-            for r in rows[-1 - len(variants):]:
+            for r in rows[-len(timed):]:
                 common.print_row(r)
         del qw_sets, w_sets, tg, w32
         torch.cuda.empty_cache()
-    columns = ["K", "N", "M", "config", "us", "bf16_us", "tinygemm_us", "vs_bf16", "vs_tinygemm", "vs_shipped",
-               "frac_copy_bw", "rel_err", "error"]
+    columns = ["K", "N", "M", "config", "us", "us_min", "us_max", "bf16_us", "tinygemm_us", "vs_bf16", "vs_tinygemm",
+               "vs_shipped", "frac_copy_bw", "rel_err", "error"]
     notes = (f"W4A16 g128 symmetric, float32 scales, bf16 x; CUDA graphs, weights rotated past L2; copy bandwidth "
              f"{bw:.0f} GB/s in this run; frac_copy_bw = packed weight + scales bytes / time / copy bandwidth. "
-             f"vs_shipped: the shipped dispatch's time / this config's. total {time.time() - start:.0f} s")
+             f"vs_shipped: the shipped dispatch's time / this config's; us: the median of {rounds} alternated round(s) "
+             f"(us_min / us_max their range). total {time.time() - start:.0f} s")
     common.finish(os.environ.get("TUNE_OUT_NAME", "tune_gemv_mma"),
                   "Gluon tensor-core int4 decode configs vs the shipped path, bf16 and tinygemm", rows, columns, notes)
 
