@@ -53,9 +53,9 @@ def check_group_size(group_size, k: int, allowed=(16, 32, 64, 128, 256, 512), na
         raise ValueError(f"{name}: {group_size} must divide the last dimension K={k}")
 
 
-def check_scale(name: str, scale, ref: torch.Tensor, allowed_numel: Sequence[int]) -> None:
+def check_scale(name: str, scale, ref: torch.Tensor, allowed_numel: Sequence[int], ref_name: str = "x") -> None:
     check_tensor(name, scale, (torch.float32,))
-    check_same_device(name, scale, ref)
+    check_same_device(name, scale, ref, ref_name)
     check_numel(name, scale, allowed_numel)
 
 

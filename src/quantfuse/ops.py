@@ -39,8 +39,11 @@ class _EagerFastOp:
     The custom-op wrapper costs 150-250 us of host time per call (measured on the H100 machine: 156 us
     for quantize_per_token, 304 us for scaled_mm, against 51 us for F.linear), more than the kernels take
     at decode sizes, which made eager models launch-bound. Plain tensors outside torch.compile call the
-    implementation directly; under torch.compile, with fake or functional tensors, or any tensor subclass,
-    the registered op runs, so tracing, fakes and `torch.ops.quantfuse.*` behave as before."""
+    implementation directly; under torch.compile, with fake or functional tensors, any tensor subclass, or an
+    input that requires grad while grad mode is on, the registered op runs, so tracing, fakes and
+    `torch.ops.quantfuse.*` behave as before, and autograd sees the same op on every path (the ops have no
+    autograd formula: a backward through one raises, rather than differentiating the CPU reference on one path
+    and nothing on another)."""
 
     def __init__(self, op):
         self.op = op
@@ -48,8 +51,9 @@ class _EagerFastOp:
         self.register_fake = op.register_fake
 
     def __call__(self, *args):
+        grad = torch.is_grad_enabled()
         if torch.compiler.is_compiling() or any(
-            isinstance(a, torch.Tensor) and type(a) is not torch.Tensor for a in args
+            isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or (grad and a.requires_grad)) for a in args
         ):
             return self.op(*args)
         return self.fn(*args)
@@ -255,6 +259,8 @@ def dequantize(
     """x_hat = scale * (q - azp), float32 math, one rounding to out_dtype. Inverts the quantize ops:
     scale numel 1 (per tensor), numel M (per token), or [M, K/group_size] (per group, any strides)."""
     check_tensor("q", q, QUANT_DTYPES, ndim_min=1)
+    if q.shape[-1] == 0:
+        raise ValueError(f"q: expected a non-empty last dimension, got shape {tuple(q.shape)}")
     check_last_dim_contiguous("q", q)
     check_dtype_arg("out_dtype", out_dtype, FLOAT_DTYPES)
     m, k = _m_of(q), q.shape[-1]
@@ -370,8 +376,8 @@ def scaled_mm(
     azp[i] * azp_adj[j] (per-token int32 azp, azp_adj = colsum(b)), subtracted exactly in int32 (int8
     only). One rounding to out_dtype (bf16, fp16 or fp32). Returns [..., N]."""
     m, k, n = _check_mm_operands(a, b, QUANT_DTYPES)
-    check_scale("scale_a", scale_a, a, (1, m))
-    check_scale("scale_b", scale_b, a, (1, n))
+    check_scale("scale_a", scale_a, a, (1, m), "a")
+    check_scale("scale_b", scale_b, a, (1, n), "a")
     check_dtype_arg("out_dtype", out_dtype, FLOAT_DTYPES)
     _check_mm_bias(bias, a, n)
     if azp is not None and azp_adj is None:
@@ -441,7 +447,7 @@ def scaled_mm_blockwise(
     or the transposed view from quantize_per_group(..., transposed_scales=True)); scale_b float32
     [ceil(K/128), ceil(N/128)]; K and N need not be multiples of 128. Returns [..., N] in out_dtype."""
     m, k, n = _check_mm_operands(a, b, (torch.float8_e4m3fn,))
-    if tuple(block) != (128, 128):
+    if not isinstance(block, (tuple, list)) or tuple(block) != (128, 128):
         raise ValueError(f"block: expected (128, 128) (1x128 activation groups, 128x128 weight blocks), got {block!r}")
     kb, nb = -(-k // 128), -(-n // 128)
     check_tensor("scale_a", scale_a, (torch.float32,))

@@ -308,14 +308,14 @@ def quantize_weight(
 
     if symmetric:
         qmax = float(2 ** (bits - 1) - 1)
-        scales = round_up(torch.clamp(groups.abs().amax(dim=2), min=SCALE_FLOOR) / qmax)
+        scales = round_up(true_div(torch.clamp(groups.abs().amax(dim=2), min=SCALE_FLOOR), qmax))
         q = torch.round(groups / scales.unsqueeze(2)).clamp(-qmax - 1, qmax)
         zeros = None
     else:
         top = float(2**bits - 1)
         lo = groups.amin(dim=2).clamp(max=0.0)
         hi = groups.amax(dim=2).clamp(min=0.0)
-        scales = round_up(torch.clamp(hi - lo, min=SCALE_FLOOR) / top)
+        scales = round_up(true_div(torch.clamp(hi - lo, min=SCALE_FLOOR), top))
         zeros = torch.round(-lo / scales).clamp(0.0, top)
         q = (torch.round(groups / scales.unsqueeze(2)) + zeros.unsqueeze(2)).clamp(0.0, top)
         zeros = zeros.to(torch.int32).t().contiguous()

@@ -34,7 +34,18 @@ def check_quantized_weight(qw: "QuantizedWeight", name: str = "QuantizedWeight")
     (bits 4 / 8; group size 32..256 or -1: the kernels locate groups by 16-code fields and power-of-two
     group sizes; words [N, K_pad / (32 / bits)] int32; scales [G, N] of a `SCALE_DTYPES` dtype with
     G = ceil(K / group) (1 per channel); zeros int32 [G, N] or None; perm int64 [K] or None). Shapes and
-    dtypes only: no data is read. Run by the constructor, so every QuantizedWeight is one the kernels can use."""
+    dtypes and devices only: no data is read. Run by the constructor, so every QuantizedWeight is one the kernels
+    can use."""
+    fields = (("qweight", qw.qweight, False), ("scales", qw.scales, False), ("zeros", qw.zeros, True),
+              ("perm", qw.perm, True))
+    for field, t, optional in fields:
+        if not isinstance(t, torch.Tensor) and not (optional and t is None):
+            raise TypeError(f"{name}: expected {field} to be a torch.Tensor{' or None' if optional else ''}, "
+                            f"got {type(t).__name__}")
+    for field, t, _ in fields[1:]:
+        if t is not None and t.device != qw.qweight.device:
+            raise ValueError(f"{name}: expected {field} on {qw.qweight.device} (the device of qweight), "
+                             f"got {t.device}")
     if qw.scales.dtype not in SCALE_DTYPES:
         raise TypeError(f"{name}: expected scales of dtype float32, float16 or bfloat16, got {qw.scales.dtype}")
     if qw.bits not in VALID_BITS:
@@ -145,6 +156,16 @@ class QuantizedWeight:
         self.shape = (int(shape[0]), int(shape[1]))
         self.perm = perm
         check_quantized_weight(self)
+        # the kernels read each field packed (a word row with a unit stride, scales and zero points at g * N + n):
+        # a view (one shard's channels of a larger weight, a transposed tensor) is copied once here, never misread
+        self.qweight, self.scales = qweight.contiguous(), scales.contiguous()
+        self.zeros = None if zeros is None else zeros.contiguous()
+        self.perm = None if perm is None else perm.contiguous()
+        capturing = perm is not None and perm.is_cuda and torch.cuda.is_current_stream_capturing()
+        if perm is not None and not capturing and not torch.equal(  # (a host sync: not inside a graph capture)
+                torch.sort(self.perm).values, torch.arange(self.shape[1], device=perm.device)):
+            raise ValueError(f"perm: expected a permutation of 0..{self.shape[1] - 1} (stored column k' holds "
+                             f"original column perm[k']), got values outside it or repeated")
 
     # -- construction -------------------------------------------------------------------------------
     @classmethod
@@ -218,9 +239,12 @@ class QuantizedWeight:
         return torch.full(tuple(self.scales.shape), 1 << (self.bits - 1), dtype=torch.int32, device=self.device)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """w_hat [N, K] = round(dtype, (q - z) * s), original column order."""
+        """w_hat [N, K] = round(dtype, float32((q - z) * s)) (the float32 product, then the cast: one rounding with
+        16-bit scales, whose products are exact), original column order; dtype float16, bfloat16 or float32."""
+        from ._validation import FLOAT_DTYPES, check_dtype_arg
         from .ops import _dequantize_weight
 
+        check_dtype_arg("dtype", dtype, FLOAT_DTYPES)
         w = _dequantize_weight(self.qweight, self.scales, self.zeros, self.bits, self.group_size,
                                self.shape[1], dtype)
         if self.perm is not None:
@@ -247,6 +271,9 @@ class QuantizedWeight:
         _check_float("scales", scales, 2)
         per = 32 // bits
         k, n = qweight.shape[0] * per, qweight.shape[1]
+        if k % 8:
+            raise ValueError(f"qweight: expected K = {per} x rows a multiple of 8 (bits={bits}), got "
+                             f"{qweight.shape[0]} rows (K = {k})")
         groups = scales.shape[0]
         if scales.shape[1] != n:
             raise ValueError(f"scales: expected shape [G, {n}] (N from qweight), got {tuple(scales.shape)}")
@@ -272,6 +299,8 @@ class QuantizedWeight:
         _check_int32("qzeros", qzeros, 2)
         _check_float("scales", scales, 2)
         k, n = qweight.shape[0], qweight.shape[1] * 8
+        if k % 8:
+            raise ValueError(f"qweight: expected K = rows a multiple of 8, got {k} rows")
         groups = scales.shape[0]
         if tuple(scales.shape) != (groups, n):
             raise ValueError(f"scales: expected shape [G, {n}] (N = 8 * qweight.shape[1]), got {tuple(scales.shape)}")
@@ -291,7 +320,11 @@ class QuantizedWeight:
         along N. w = (q - zp) * s. scale_dtype as for `from_gptq`."""
         _check_int32("weight_packed", weight_packed, 2)
         _check_float("weight_scale", weight_scale, 2)
-        n, k = (int(v) for v in (weight_shape.tolist() if isinstance(weight_shape, torch.Tensor) else weight_shape))
+        shape = weight_shape.tolist() if isinstance(weight_shape, torch.Tensor) else list(weight_shape)
+        if len(shape) != 2 or int(shape[1]) % 8 or int(shape[0]) < 1 or int(shape[1]) < 1:
+            raise ValueError(f"weight_shape: expected (N, K) with N >= 1 and K a positive multiple of 8, got "
+                             f"{tuple(shape)}")
+        n, k = (int(v) for v in shape)
         if weight_packed.shape[0] != n:
             raise ValueError(f"weight_packed: expected {n} rows (weight_shape[0]), got {tuple(weight_packed.shape)}")
         cols = weight_packed.shape[1]
@@ -401,10 +434,14 @@ def _group_size_from_gidx(g_idx, k: int, groups: int, device) -> Tuple[int, Opti
     natural = torch.arange(k, device=device) // gs
     if torch.equal(g, natural):
         return group_size, None
+    num_groups = -(-k // gs)
+    if bool(((g < 0) | (g >= num_groups)).any()):
+        raise ValueError(f"g_idx: expected group indices in [0, {num_groups}), got values from {int(g.min())} to "
+                         f"{int(g.max())}")
     perm = torch.sort(g, stable=True).indices
     if not torch.equal(g[perm], natural):
         raise ValueError(f"g_idx: expected each group to hold exactly {gs} rows (group_size), "
-                         f"got group sizes {torch.bincount(g).tolist()[:8]}...")
+                         f"got group sizes {torch.bincount(g, minlength=num_groups).tolist()[:8]}...")
     return group_size, perm
 
 

@@ -631,3 +631,34 @@ def test_scale_after_vs_unrounded_weights_gpu(tile, dtype):
                 got = _fused(e, qw, tile)
                 assert torch.equal(got[0].view(torch.int16), w_hat[:, kk].contiguous().view(torch.int16)), \
                     f"{label}: identity row {kk}"
+
+
+@pytest.mark.parametrize("bits, symmetric", [(4, True), (4, False), (8, True)])
+def test_quantize_weight_same_on_cuda_as_on_cpu(bits, symmetric):
+    """The scales are true float32 divisions on every device (torch's CUDA division by a Python scalar multiplies
+    by the rounded reciprocal), so a weight quantized on the GPU gives the checkpoint the CPU gives."""
+    torch.manual_seed(11)
+    w = torch.randn(1024, 1024)
+    cpu = ref.quantize_weight(w, bits, 128, symmetric)
+    gpu = ref.quantize_weight(w.cuda(), bits, 128, symmetric)
+    for a, b in zip(cpu, gpu):
+        assert (a is None and b is None) or torch.equal(a, b.cpu())
+    qw_cpu, qw_gpu = qf.quantize_weight(w, bits, 128, symmetric), qf.quantize_weight(w.cuda(), bits, 128, symmetric)
+    assert torch.equal(qw_cpu.qweight, qw_gpu.qweight.cpu()) and torch.equal(qw_cpu.scales, qw_gpu.scales.cpu())
+
+
+def test_quantized_weight_shard_views_gpu():
+    """One shard's output channels of a larger weight, made of views, computes what its values say on every GPU
+    path (the constructor keeps packed copies; the kernels index scales at g * N + n)."""
+    torch.manual_seed(12)
+    full = qf.quantize_weight(torch.randn(4096, 4096, device="cuda"), bits=4, group_size=128, symmetric=False)
+    n0, n1 = 1024, 3072
+    shard = QuantizedWeight(full.qweight[n0:n1], full.scales[:, n0:n1], full.zeros[:, n0:n1], 4, 128,
+                            (n1 - n0, 4096))
+    w_hat = full.dequantize(torch.bfloat16)[n0:n1]
+    assert torch.equal(shard.dequantize(torch.bfloat16), w_hat)
+    for m in (1, 16, 64, 512):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        ref_out = x.float() @ w_hat.float().t()
+        err = (qf.weight_only_mm(x, shard).float() - ref_out).abs().max()
+        assert float(err) <= 2.0**-7 * float(ref_out.abs().max()) + 1e-3, (m, float(err))

@@ -252,6 +252,8 @@ def test_torch_compile_fullgraph_traces_the_ops():
         (lambda x: qf.dequantize(x.to(torch.int8), torch.ones(4, 3), group_size=32), ValueError, "scale: expected shape"),
         (lambda x: qf.dequantize(x.to(FP8), torch.ones(1), torch.zeros(1, dtype=torch.int32)), ValueError, "azp"),
         (lambda x: qf.dequantize(x.to(torch.int8), torch.ones(1), out_dtype=torch.int32), TypeError, "out_dtype"),
+        (lambda x: qf.dequantize(x[:3, :0].to(torch.int8), torch.ones(3)), ValueError, "q: expected a non-empty"),
+        (lambda x: qf.dequantize(x[:3, :0].to(torch.int8), torch.ones(1)), ValueError, "q: expected a non-empty"),
     ],
 )
 def test_bad_arguments_raise(triton_backend, call, exc, match):

@@ -591,6 +591,8 @@ BAD_MM = [
     (lambda a, b, sa, sb: qf.scaled_mm(a, b, sa, sb, azp_adj=torch.zeros(N_, dtype=torch.int32), azp=torch.zeros(M_, dtype=torch.int8)), TypeError, ["azp", "int8"]),
     (lambda a, b, sa, sb: qf.scaled_mm(a.numpy(), b, sa, sb), TypeError, ["a", "Tensor"]),
     (lambda a, b, sa, sb: qf.scaled_mm(a, b, sa, torch.ones(1, device="meta")), ValueError, ["scale_b", "device"]),
+    (lambda a, b, sa, sb: qf.scaled_mm(a, b, torch.ones(1, device="meta"), sb), ValueError,
+     ["scale_a", "the device of a)"]),
 ]
 
 BAD_BLOCKWISE = [
@@ -606,6 +608,7 @@ BAD_BLOCKWISE = [
     (lambda a, b, sa, sb: qf.scaled_mm_blockwise(a, b, sa, sb.half()), TypeError, ["scale_b", "float16"]),
     (lambda a, b, sa, sb: qf.scaled_mm_blockwise(a, b, sa, sb, block=(1, 128)), ValueError, ["block"]),
     (lambda a, b, sa, sb: qf.scaled_mm_blockwise(a, b, sa, sb, block=(128, 64)), ValueError, ["block"]),
+    (lambda a, b, sa, sb: qf.scaled_mm_blockwise(a, b, sa, sb, block=128), ValueError, ["block", "(128, 128)"]),
     (lambda a, b, sa, sb: qf.scaled_mm_blockwise(a, b, sa, sb, torch.int8), TypeError, ["out_dtype"]),
     (lambda a, b, sa, sb: qf.scaled_mm_blockwise(a, b, sa, sb, bias=torch.ones(N_ - 1)), ValueError, ["bias", "shape"]),
     (lambda a, b, sa, sb: qf.scaled_mm_blockwise(a.t(), b, sa, sb), ValueError, ["a"]),

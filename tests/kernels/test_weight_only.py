@@ -497,6 +497,29 @@ def test_loader_per_channel_and_bad_g_idx():
         QuantizedWeight.from_gptq(qweight, qz2, s)
     with pytest.raises(ValueError, match="bits"):
         QuantizedWeight.from_awq(qweight, qzeros, s, bits=8)
+    for value in (-1, 2, 1 << 40):  # out of [0, G): named before the message counts the groups
+        wild = torch.zeros(k, dtype=torch.int64)
+        wild[k // 2:] = 1
+        wild[0] = value
+        with pytest.raises(ValueError, match=r"g_idx: expected group indices in \[0, 2\)"):
+            QuantizedWeight.from_gptq(qweight, qz2, torch.rand(2, n).half(), g_idx=wild)
+
+
+def test_loader_shape_errors_name_the_argument():
+    n = 16
+    with pytest.raises(ValueError, match="qweight: expected K = 4 x rows a multiple of 8"):
+        QuantizedWeight.from_gptq(torch.zeros(3, n, dtype=torch.int32), torch.zeros(1, n // 4, dtype=torch.int32),
+                                  torch.rand(1, n), bits=8)
+    with pytest.raises(ValueError, match="qweight: expected K = rows a multiple of 8"):
+        QuantizedWeight.from_awq(torch.zeros(12, 2, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32),
+                                 torch.rand(1, n))
+    for shape in ((16, 12), (16, 256, 1), (0, 64)):
+        with pytest.raises(ValueError, match="weight_shape: expected \\(N, K\\)"):
+            QuantizedWeight.from_compressed_tensors(torch.zeros(16, 32, dtype=torch.int32), torch.rand(16, 1), shape)
+    qw = ops.quantize_weight(torch.randn(n, 64), bits=4)
+    for dtype in (torch.int8, "bfloat16", torch.float64):
+        with pytest.raises(TypeError, match="dtype: expected one of"):
+            qw.dequantize(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -588,3 +611,44 @@ def test_decode_pdl_rule_and_interpreted_launch(monkeypatch):
     assert not configs.decode_pdl(cpu, 1, 8)
     monkeypatch.setattr(configs, "arch_key", lambda *args: "default")
     assert not configs.decode_pdl(cpu, 1, 4)
+
+
+def test_quantized_weight_views_are_read_as_values():
+    """A QuantizedWeight made of views (one shard's output channels of a larger weight, column-major scales, a
+    strided qweight) computes what its values say: the constructor keeps packed copies the kernels can read."""
+    torch.manual_seed(9)
+    n, k, n0, n1 = 32, 128, 8, 24
+    full = ops.quantize_weight(torch.randn(n, k), bits=4, group_size=32, symmetric=False)
+    col_major = lambda t: t.t().contiguous().t()  # noqa: E731
+    wide = torch.zeros(n, 2 * full.qweight.shape[1], dtype=torch.int32)
+    wide[:, ::2] = full.qweight
+    cases = {
+        "shard": (QuantizedWeight(full.qweight[n0:n1], full.scales[:, n0:n1], full.zeros[:, n0:n1], 4, 32,
+                                  (n1 - n0, k)), slice(n0, n1)),
+        "column-major": (QuantizedWeight(full.qweight, col_major(full.scales), col_major(full.zeros), 4, 32, (n, k)),
+                         slice(0, n)),
+        "strided words": (QuantizedWeight(wide[:, ::2], full.scales, full.zeros, 4, 32, (n, k)), slice(0, n)),
+    }
+    x = torch.randn(3, k, dtype=torch.float16)
+    with ops.backend("reference"):
+        want_full = ops.weight_only_mm(x, full)
+        deq_full = full.dequantize(torch.float16)
+    for name, (qw, cols) in cases.items():
+        assert all(t.is_contiguous() for t in (qw.qweight, qw.scales, qw.zeros)), name
+        with ops.backend("triton"):
+            got = ops.weight_only_mm(x, qw)
+            assert_bitwise_equal(qw.dequantize(torch.float16), deq_full[cols])
+        assert_gemm_close(got, x, deq_full[cols])
+        assert_gemm_close(want_full[:, cols], x, deq_full[cols])
+
+
+def test_quantized_weight_field_errors():
+    qw = ops.quantize_weight(torch.randn(16, 64), bits=4, group_size=32)
+    with pytest.raises(ValueError, match="expected scales on cpu .*got meta"):
+        QuantizedWeight(qw.qweight, qw.scales.to("meta"), None, 4, 32, (16, 64))
+    with pytest.raises(TypeError, match="expected scales to be a torch.Tensor"):
+        QuantizedWeight(qw.qweight, qw.scales.tolist(), None, 4, 32, (16, 64))
+    for perm in (torch.zeros(64, dtype=torch.int64), torch.arange(64) + 1):
+        with pytest.raises(ValueError, match="perm: expected a permutation of 0..63"):
+            QuantizedWeight(qw.qweight, qw.scales, None, 4, 32, (16, 64), perm=perm)
+    QuantizedWeight(qw.qweight, qw.scales, None, 4, 32, (16, 64), perm=torch.randperm(64))
