@@ -318,6 +318,37 @@ def test_bad_configs(make, err, match):
         make()
 
 
+def test_config_errors_found_before_calibration():
+    """Arguments that could only fail after a whole calibration run, or per layer, fail at construction."""
+    with pytest.raises(ValueError, match="num_bins: expected an integer >= 129 for calibrator='mse'"):
+        Int8StaticConfig(calibrator="mse", num_bins=64)
+    with pytest.raises(ValueError, match="num_bins: expected an integer >= 128 for calibrator='entropy'"):
+        Int8StaticConfig(calibrator="entropy", num_bins=100)
+    Int8StaticConfig(calibrator="entropy", num_bins=128)
+    Int8StaticConfig(calibrator="max", num_bins=2)
+    with pytest.raises(ValueError, match="group_size"):
+        Int4WeightOnlyConfig(group_size=128.0)
+
+
+def test_calibration_errors_name_the_layer_and_batch():
+    with pytest.raises(TypeError, match="calibration_data: expected an iterable of batches"):
+        quantize_(sequential(), Int8StaticConfig(), calibration_data=3, progress=False)
+    bad = [torch.randn(4, 128), torch.full((4, 128), float("nan"))]
+    with pytest.raises(ValueError, match="batch 1 gave layer '0' an input with NaN or Inf"):
+        quantize_(sequential(), Int8StaticConfig(), calibration_data=bad, progress=False)
+
+    class Unused(nn.Module):  # a layer the forward never calls sees no calibration data
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(128, 128), nn.Linear(128, 128)
+
+        def forward(self, x):
+            return self.used(x)
+
+    with pytest.raises(ValueError, match="layer 'unused' .*saw no calibration data"):
+        quantize_(Unused(), Int8StaticConfig(), calibration_data=[torch.randn(2, 128)], progress=False)
+
+
 def test_bad_calls():
     with pytest.raises(TypeError, match="config"):
         quantize_(sequential(), "int8_dynamic")
@@ -760,3 +791,119 @@ def test_merged_w8a8_in_a_transformers_llama_layer(monkeypatch):
     (a, na), (b, nb) = outs
     assert (na, nb) == (4, 6)
     assert torch.equal(a, b)
+
+
+INFERENCE_MODE_CONFIGS = [Int8DynamicConfig(), Int8DynamicConfig(merge_projections=False), Fp8BlockConfig(),
+                          config_for_scheme("fp8_dynamic"), Int4WeightOnlyConfig(group_size=64),
+                          Int8StaticConfig()]
+
+
+@pytest.mark.parametrize("config", INFERENCE_MODE_CONFIGS, ids=[c.scheme for c in INFERENCE_MODE_CONFIGS])
+def test_inference_mode_runs_like_no_grad(config):
+    """Inference tensors carry no version counter: the shared-input and merged-projection caches step aside for
+    them (the layers run alone) and the outputs equal those under no_grad, bit for bit."""
+    layer, rope, _ = _tiny_llama_layer(seed=6)
+    x = torch.randn(2, 5, 128)
+    pos = torch.arange(5)[None].expand(2, 5)
+    calib = [dict(hidden_states=x, position_embeddings=rope(x, pos), position_ids=pos, attention_mask=None)]
+    quantize_(layer, config, calibration_data=calib if config.needs_calibration else None, progress=False)
+
+    def run(inp):
+        out = layer(inp, position_embeddings=rope(inp, pos), position_ids=pos, attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out
+
+    with torch.no_grad():
+        expected = run(x)
+    with torch.inference_mode():
+        got = run(x.clone())
+    assert torch.equal(got, expected)
+    with torch.inference_mode():
+        made = x.clone()  # an inference tensor used later outside inference mode
+    with torch.no_grad():
+        assert torch.equal(run(made), expected)
+
+
+def test_shared_input_sees_a_rebound_tensor(monkeypatch):
+    """`x.data = other` keeps x's identity and version counter; the cache also compares x's memory."""
+    layers = [qm.Int8DynamicLinear.from_linear(nn.Linear(64, 32)) for _ in range(2)]
+    qm.SHARED_INPUT.clear()
+    x = torch.randn(4, 64)
+    layers[0](x)
+    x.data = torch.randn(2, 64)
+    y = layers[1](x)
+    qm.SHARED_INPUT.enabled = False
+    try:
+        assert torch.equal(y, layers[1](x))
+    finally:
+        qm.SHARED_INPUT.enabled = True
+
+
+LOAD_CONFIGS = [Int4WeightOnlyConfig(group_size=64), Int8StaticConfig(symmetric=False), Fp8BlockConfig(),
+                Int8DynamicConfig(), Int8WeightOnlyConfig()]
+
+
+@pytest.mark.parametrize("config", LOAD_CONFIGS, ids=[c.scheme for c in LOAD_CONFIGS])
+def test_load_state_dict_into_a_quantized_model(config):
+    """Tensors derived from the stored ones (the kernel's QuantizedWeight, zero-point corrections, transposed
+    block scales, merged stacks) follow a load_state_dict: the target then computes what the source does."""
+    calib = _ids()
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        m = TinyLlama(d=256, h=256).eval()
+        for layer in m.layers:  # siblings fed one tensor, so weight-only and static layers merge
+            layer.k_proj = nn.Linear(256, 128)
+            layer.forward = (lambda self: lambda x: x + self.mlp(self.norm(x + self.q_proj(x)))
+                             + self.k_proj(x).repeat(1, 1, 2))(layer)
+        quantize_(m, config, calibration_data=calib if config.needs_calibration else None, progress=False)
+        models.append(m)
+    target, source = models
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        target(ids)  # derived tensors and merged stacks built from the target's own weights
+        target.load_state_dict(source.state_dict())
+        assert torch.equal(target(ids), source(ids))
+
+
+def test_a_layer_shared_by_two_parents_is_quantized_everywhere(tmp_path):
+    class Holder(nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(x)
+
+    shared = nn.Linear(64, 64)
+    model = nn.Sequential(Holder(shared), nn.ReLU(), Holder(shared)).eval()
+    x = torch.randn(4, 64)
+    quantize_(model, Int8DynamicConfig(), progress=False)
+    assert isinstance(model[0].lin, qm.Int8DynamicLinear) and model[2].lin is model[0].lin
+    assert set(quantized_layers(model)) == {"0.lin", "2.lin"}
+    y = model(x)
+    save_quantized(model, tmp_path)
+    skeleton = nn.Sequential(Holder(nn.Linear(64, 64)), nn.ReLU(), Holder(nn.Linear(64, 64)))
+    loaded = load_quantized(tmp_path, skeleton)
+    assert isinstance(loaded[2].lin, qm.Int8DynamicLinear) and torch.equal(loaded(x), y)
+
+
+def test_checkpoint_of_a_model_built_from_its_config(tmp_path):
+    """A transformers model made from a config (no from_pretrained: architectures unset) reloads as its own class,
+    and tied input / output embeddings come back tied."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=1, vocab_size=64,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    assert not model.config.architectures
+    quantize_(model, Int8DynamicConfig(), progress=False)
+    ids = torch.randint(0, 64, (2, 6))
+    with torch.no_grad():
+        y = model(ids).logits
+    save_quantized(model, tmp_path)
+    loaded = load_quantized(tmp_path)
+    assert type(loaded) is type(model)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, y)

@@ -107,6 +107,10 @@ def save_quantized(model: nn.Module, directory: Union[str, os.PathLike]) -> str:
 
     hf_config = getattr(model, "config", None)
     config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
+    if config and not config.get("architectures"):
+        # a model built from its config (not from_pretrained) has none; without it the loader could only build
+        # the base model (AutoModel), whose layer names differ
+        config["architectures"] = [type(model).__name__]
     config["quantization_config"] = compressed_tensors_config(model)
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
         json.dump(config, f, indent=2, default=str)
@@ -232,6 +236,12 @@ def load_quantized(directory: Union[str, os.PathLike], model_skeleton_or_hf_dir:
                          f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                          f"{' ...' if len(unexpected) > 5 else ''}")
     model.load_state_dict(rest, strict=False, assign=True)
+    tie = getattr(model, "tie_weights", None)
+    output_embeddings = getattr(model, "get_output_embeddings", lambda: None)()
+    if callable(tie) and getattr(getattr(model, "config", None), "tie_word_embeddings", False) \
+            and not isinstance(output_embeddings, (QuantizedLinear, GatedMLP)):
+        tie()  # assign=True gave the tied embedding and output weights two tensors: one again (a quantized
+        # output layer has its own codes and stays as loaded)
     for names in info.get("merged_projections", []):
         try:
             MergedProjections([model.get_submodule(n) for n in names])

@@ -205,8 +205,8 @@ class QuantizedLinear(nn.Module):
         if self._merged is None:
             return None
         group, index = self._merged
-        if not group.enabled or torch.compiler.is_compiling():
-            return None
+        if not group.enabled or torch.compiler.is_compiling() or x.is_inference():
+            return None  # (an inference tensor has no version counter to prove x unchanged between members)
         if group._merged_layer is None and _stream_state(x)[1]:
             # stacking the weights inside a capture would record the copies into the graph (re-run on every
             # replay) and leave them unwritten until the first replay: run alone until an eager call stacks
@@ -237,6 +237,18 @@ class QuantizedLinear(nn.Module):
 
     def _device_changed(self) -> None:
         """Hook for subclasses that cache device-specific objects."""
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        # what was derived from the old values (a cached QuantizedWeight, zero-point corrections, transposed block
+        # scales, a merged group's stacked copy) is rebuilt from the loaded ones
+        self._rebuild_derived()
+        if self._merged is not None:
+            self._merged[0].invalidate()
+
+    def _rebuild_derived(self) -> None:
+        """Hook: recompute tensors derived from the stored ones (after `load_state_dict` wrote new values)."""
+        self._device_changed()
 
     # -- checkpoint ------------------------------------------------------------------------------
     def checkpoint_tensors(self) -> Dict[str, Tensor]:
@@ -287,6 +299,12 @@ def _stream_state(x: Tensor) -> tuple:
     return (torch._C._cuda_getCurrentRawStream(x.device.index), torch._C._cuda_isCurrentStreamCapturing())
 
 
+def _same_memory(x: Tensor) -> tuple:
+    """What an entry of the caches below must find unchanged in x: its version counter (in-place writes) and its
+    memory (data pointer, shape, strides)."""
+    return (x._version, x.data_ptr(), tuple(x.shape), x.stride())
+
+
 class SharedInputQuantization:
     """The last dynamically quantized activation, reused when the next layer gets the very same tensor.
 
@@ -296,24 +314,28 @@ class SharedInputQuantization:
     A hit needs the same tensor object (held by a weak reference: nothing is kept alive for it), an
     unchanged version counter (no in-place write since), the same rule (`key`: the layer class's
     quantize_input and its code dtype) and, on CUDA, the same current stream (so an entry made while a
-    CUDA graph is captured, on the capture stream, never serves an eager call). The entry is dropped
+    CUDA graph is captured, on the capture stream, never serves an eager call) and the same memory (data
+    pointer, shape and strides: `x.data = other` rebinds x without a version bump). The entry is dropped
     when x is freed. Not used while torch.compile traces (the compiled graph quantizes per layer as
-    before); `enabled = False` turns it off."""
+    before), nor for inference tensors (made under torch.inference_mode: they carry no version counter, so
+    nothing proves them unchanged; use torch.no_grad() to keep the sharing); `enabled = False` turns it off.
+    Writes the version counter does not see (through `x.data`, numpy or the raw storage) need `clear()`."""
 
     def __init__(self):
         self.enabled = True
-        self._entry = None  # (weakref to x, x._version, key, stream, value): replaced as one object
+        self._entry = None  # (weakref to x, _same_memory(x), key, stream, value): replaced as one object
 
     def get(self, x: Tensor, key: tuple, compute: Callable[[], Tuple[Tensor, Tensor]]):
-        if not self.enabled or torch.compiler.is_compiling():
+        if not self.enabled or torch.compiler.is_compiling() or x.is_inference():
             return compute()
         stream = _stream_state(x)
+        memory = _same_memory(x)
         entry = self._entry
-        if entry is not None and entry[0]() is x and entry[1] == x._version and entry[2] == key \
+        if entry is not None and entry[0]() is x and entry[1] == memory and entry[2] == key \
                 and entry[3] == stream:
             return entry[4]
         value = compute()
-        self._entry = (weakref.ref(x, self._drop), x._version, key, stream, value)
+        self._entry = (weakref.ref(x, self._drop), memory, key, stream, value)
         return value
 
     def _drop(self, ref) -> None:
@@ -434,10 +456,17 @@ class Int8StaticLinear(_ScaledMMLinear):
         self.register_buffer("input_scale", input_scale.float().reshape(1).contiguous())
         self.register_buffer("input_zero_point",
                              None if input_zero_point is None else input_zero_point.to(torch.int32).reshape(1))
-        adj = None
-        if input_zero_point is not None:
-            adj = ops.azp_adjustment(self.weight.t(), self.input_zero_point).reshape(-1).to(torch.int32)
-        self.register_buffer("azp_adj", adj, persistent=False)
+        self.register_buffer("azp_adj", self._azp_adj(), persistent=False)
+
+    def _azp_adj(self) -> Optional[Tensor]:
+        """z_x * colsum(W_q) (int32), the asymmetric epilogue's correction; None when symmetric."""
+        if self.input_zero_point is None:
+            return None
+        return ops.azp_adjustment(self.weight.t(), self.input_zero_point).reshape(-1).to(torch.int32)
+
+    def _rebuild_derived(self) -> None:
+        super()._rebuild_derived()
+        self.azp_adj = self._azp_adj()
 
     @property
     def symmetric(self) -> bool:
@@ -506,6 +535,10 @@ class Fp8BlockLinear(QuantizedLinear):
         self.register_buffer("weight_scale", weight_scale.float().contiguous())
         # the GEMM reads the weight as b = W^T [K, N], so its block scales as [K/128, N/128]
         self.register_buffer("scale_b", self.weight_scale.t().contiguous(), persistent=False)
+
+    def _rebuild_derived(self) -> None:
+        super()._rebuild_derived()
+        self.scale_b = self.weight_scale.t().contiguous()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Fp8BlockLinear":
@@ -890,7 +923,7 @@ class MergedProjections:
             start += m.out_features
         self.out_features = start
         self._merged_layer = None  # weight-only: (QuantizedWeight, bias); W8A8: a layer of the members' class
-        self._entry = None  # (weakref to x, x._version, stream, y, y._version, served indices, parts)
+        self._entry = None  # (weakref to x, _same_memory(x), stream, y, y._version, served indices, parts)
         for i, m in enumerate(members):
             m._merged = (self, i)
 
@@ -929,14 +962,15 @@ class MergedProjections:
 
     def output(self, x: Tensor, index: int) -> Tensor:
         stream = _stream_state(x)
+        memory = _same_memory(x)
         entry = self._entry
-        if entry is not None and entry[0]() is x and entry[1] == x._version and entry[2] == stream \
+        if entry is not None and entry[0]() is x and entry[1] == memory and entry[2] == stream \
                 and entry[3]._version == entry[4] and index not in entry[5]:
             entry[5].add(index)
             return entry[6][index]
         y = self._compute(x)
         parts = [y[..., a:b] for a, b in self.bounds]
-        self._entry = (weakref.ref(x, self._drop), x._version, stream, y, y._version, {index}, parts)
+        self._entry = (weakref.ref(x, self._drop), memory, stream, y, y._version, {index}, parts)
         return parts[index]
 
     def _drop(self, ref) -> None:

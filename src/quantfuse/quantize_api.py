@@ -157,12 +157,15 @@ class Int8StaticConfig(QuantConfig):
         if isinstance(self.percentile, bool) or not isinstance(self.percentile, (int, float)) \
                 or not 0 < self.percentile <= 100:
             raise ValueError(f"percentile: expected a number in (0, 100], got {self.percentile!r}")
-        if isinstance(self.num_bins, bool) or not isinstance(self.num_bins, int) or self.num_bins < 2:
-            raise ValueError(f"num_bins: expected an integer >= 2, got {self.num_bins!r}")
+        # the mse search starts at bin 128 and never takes the last centre; entropy's first candidate is bin 128
+        least = {"mse": 129, "entropy": 128}.get(self.calibrator, 2)
+        if isinstance(self.num_bins, bool) or not isinstance(self.num_bins, int) or self.num_bins < least:
+            raise ValueError(f"num_bins: expected an integer >= {least} for calibrator={self.calibrator!r}, "
+                             f"got {self.num_bins!r}")
 
     def convert(self, linear, stats=None):
         if stats is None or not stats.seen:
-            raise RuntimeError("Int8StaticConfig: the layer saw no calibration data (was it ever called?)")
+            raise ValueError("Int8StaticConfig: the layer saw no calibration data (was it ever called?)")
         amax = stats.amax(self)
         if self.symmetric:
             return Int8StaticLinear.from_linear(linear, amax=amax)
@@ -199,7 +202,8 @@ class Int4WeightOnlyConfig(QuantConfig):
 
     def __post_init__(self):
         self._check_common()
-        if isinstance(self.group_size, bool) or self.group_size not in (32, 64, 128, 256, -1):
+        if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) \
+                or self.group_size not in (32, 64, 128, 256, -1):
             raise ValueError(f"group_size: expected one of (32, 64, 128, 256, -1), got {self.group_size!r}")
         if self.algorithm not in WEIGHT_ALGORITHMS:
             raise ValueError(f"algorithm: expected one of {WEIGHT_ALGORITHMS}, got {self.algorithm!r}")
@@ -225,8 +229,8 @@ class Int4WeightOnlyConfig(QuantConfig):
         hessian = None
         if self.algorithm == "gptq":
             if stats is None or not stats.seen:
-                raise RuntimeError(f"{type(self).__name__}(algorithm='gptq'): the layer saw no calibration data "
-                                   "(was it ever called?)")
+                raise ValueError(f"{type(self).__name__}(algorithm='gptq'): the layer saw no calibration data "
+                                 "(was it ever called?)")
             hessian = stats.hessian
         scale_dtype = self.layer_scale_dtype(linear) if isinstance(linear, nn.Linear) else torch.float32
         return WeightOnlyLinear.from_linear(linear, bits=self.bits, group_size=self.group_size,
@@ -316,9 +320,10 @@ def plan(model: nn.Module, config: QuantConfig) -> Dict[str, QuantConfig]:
 class _LayerStats:
     """What calibration records about one layer's input: a calibrator plus the running min/max."""
 
-    def __init__(self, config: QuantConfig):
+    def __init__(self, config: QuantConfig, name: str = "?"):
         from .calibrate import HistogramCalibrator, MaxCalibrator
 
+        self.name = name
         self.calibrator = None
         self.hessian: Optional[torch.Tensor] = None  # sum of x x^T (float64), for GPTQ
         self.want_hessian = isinstance(config, Int4WeightOnlyConfig)
@@ -329,10 +334,13 @@ class _LayerStats:
         self.seen = 0
 
     @torch.no_grad()
-    def collect(self, x: torch.Tensor) -> None:
+    def collect(self, x: torch.Tensor, batch: int = 0) -> None:
         x = x.detach()
         if not x.is_floating_point() or x.numel() == 0:
             return
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"calibration_data: batch {batch} gave layer '{self.name}' an input with NaN or Inf "
+                             "values; calibration needs finite activations")
         if self.calibrator is not None:
             self.calibrator.collect(x)
             self.lo = min(self.lo, float(x.min()))
@@ -386,19 +394,24 @@ def calibrate(model: nn.Module, layer_configs: Dict[str, QuantConfig], calibrati
     """Run the model over the calibration batches with forward pre-hooks recording each layer's input."""
     from tqdm.auto import tqdm
 
-    stats = {name: _LayerStats(cfg) for name, cfg in layer_configs.items()}
+    try:
+        iter(calibration_data)
+    except TypeError:
+        raise TypeError(f"calibration_data: expected an iterable of batches (tensors, dicts or tuples), got "
+                        f"{type(calibration_data).__name__}") from None
+    stats = {name: _LayerStats(cfg, name) for name, cfg in layer_configs.items()}
     modules = dict(model.named_modules())
     hooks = []
+    batches = 0
     for name, st in stats.items():
         def hook(mod, args, kwargs, st=st):
             x = args[0] if args else kwargs.get("input")
             if isinstance(x, torch.Tensor):
-                st.collect(x)
+                st.collect(x, batches)
 
         hooks.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
     try:
         total = len(calibration_data) if hasattr(calibration_data, "__len__") else None
-        batches = 0
         for batch in tqdm(calibration_data, total=total, desc="quantfuse: calibrating", disable=not progress,
                           leave=False):
             run_batch(model, batch)
@@ -486,6 +499,11 @@ def quantize_(model: nn.Module, config: QuantConfig, calibration_data: Optional[
     work: List[Tuple[str, Any]] = [(n, cls) for n, cls in fused.items()] + [(n, c) for n, c in chosen.items()
                                                                           if n not in fused_children]
     modules = dict(model.named_modules())
+    # a layer reached under several names (one module object set as two parents' child) is converted once
+    # and installed under all of them: named_modules() lists it under the first name only
+    aliases: Dict[int, List[str]] = {}
+    for alias, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(alias)
     for name, cfg in tqdm(work, desc=f"quantfuse: {config.scheme}", disable=not progress, leave=False):
         module = modules[name]
         fused_cls = cfg if isinstance(cfg, type) else None
@@ -500,15 +518,17 @@ def quantize_(model: nn.Module, config: QuantConfig, calibration_data: Optional[
                              + (f" {module.in_features}->{module.out_features}" if isinstance(module, nn.Linear) else "")
                              + f") cannot take scheme {scheme}: {err}. "
                              "Add it to skip or give it another config in overrides.") from err
-        _set_module(model, name, new)
+        for alias in aliases[id(module)]:
+            _set_module(model, alias, new)
     merge_projections(model, only=lambda n: getattr(chosen.get(n), "merge_projections", False))
     return model
 
 
 def quantized_layers(model: nn.Module) -> Dict[str, nn.Module]:
-    """{name: module} of every quantfuse module in the model (fused MLPs count once)."""
+    """{name: module} of every quantfuse module in the model (fused MLPs count once; a module set as the child of
+    two parents under each of its names, so a checkpoint restores both)."""
     out = {}
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, GatedMLP):
             out[name] = module
         elif isinstance(module, QuantizedLinear) and not any(name.startswith(f + ".") for f in out):
