@@ -100,10 +100,10 @@ def _graph_replay(layers, new):
     return replayed, [layer(static) for layer in layers]
 
 
-def _llama_layer_outputs(config_factory, seed, tokens, counted_op, monkeypatch):
+def _llama_layer_outputs(config_factory, seed, tokens, counted_op, monkeypatch, grad_mode=torch.no_grad):
     """A transformers LlamaDecoderLayer (hidden 1024, bf16, weights N(0, 0.02)) quantized with each config of
     `config_factory` (a list of callables); per config and per batch size in `tokens`: (output, launches of
-    `counted_op` in quantfuse.ops during the call)."""
+    `counted_op` in quantfuse.ops during the call), each call under `grad_mode()`."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -130,7 +130,7 @@ def _llama_layer_outputs(config_factory, seed, tokens, counted_op, monkeypatch):
             x = torch.randn(m, 1, 1024, device=DEV, dtype=BF16, generator=torch.Generator(DEV).manual_seed(m))
             pos = torch.zeros(m, 1, dtype=torch.long, device=DEV)
             calls.clear()
-            with torch.no_grad():
+            with grad_mode():
                 out = layer(x, position_embeddings=rope(x, pos), position_ids=pos, attention_mask=None)
             per_tokens.append((out[0] if isinstance(out, tuple) else out, len(calls)))
         results.append(per_tokens)
@@ -241,3 +241,14 @@ def test_capture_before_any_eager_call_runs_members_alone():
     assert group._merged_layer is not None
     for c, e in zip(captured, eager):
         assert torch.equal(c, e)
+
+
+@pytest.mark.parametrize("config, op", [(qf.Int8DynamicConfig, "scaled_mm"),
+                                        (qf.Int4WeightOnlyConfig, "weight_only_mm")])
+def test_llama_layer_under_inference_mode(config, op, monkeypatch):
+    """Inference tensors carry no version counter: a merged layer's members run alone under
+    torch.inference_mode, giving the unmerged layer's output bit for bit with its launch count."""
+    merged = _llama_layer_outputs([config], 9, (1, 16), op, monkeypatch, grad_mode=torch.inference_mode)
+    plain = _llama_layer_outputs([lambda: config(merge_projections=False)], 9, (1, 16), op, monkeypatch)
+    for (a, na), (b, nb) in zip(merged[0], plain[0]):
+        assert na == nb and torch.equal(a, b)
