@@ -454,7 +454,8 @@ def smoothquant_factors(act_amax_per_channel: torch.Tensor, weight, alpha: float
     for idx, w in enumerate(_as_weight_list(weight)):
         check_tensor(f"weight[{idx}]", w, _CALIB_DTYPES)
         if w.dim() != 2 or w.shape[1] != k:
-            raise ValueError(f"weight[{idx}]: expected shape [N, {k}] (K from act_amax_per_channel), got {tuple(w.shape)}")
+            raise ValueError(f"weight[{idx}]: expected shape [N, {k}] (K from act_amax_per_channel), "
+                             f"got {tuple(w.shape)}")
         col = w.detach().abs().amax(dim=0).to(device=act_amax_per_channel.device, dtype=torch.float32)
         weight_amax = col if weight_amax is None else torch.maximum(weight_amax, col)
     act = act_amax_per_channel.detach().to(torch.float32)

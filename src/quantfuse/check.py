@@ -54,8 +54,10 @@ def _quantize_cases(device: str, big: bool) -> List[tuple]:
     cases = []
     for name, dt in (("int8", i8), ("fp8", f8)):
         cases += [
-            ("quantize_per_tensor", f"dynamic {name} {m}x{k}", lambda dt=dt: (qf.quantize_per_tensor(x, dt), ref.quantize_per_tensor(x, dt))),
-            ("quantize_per_token", f"{name} {m}x{k}", lambda dt=dt: (qf.quantize_per_token(x, dt), ref.quantize_per_token(x, dt))),
+            ("quantize_per_tensor", f"dynamic {name} {m}x{k}",
+             lambda dt=dt: (qf.quantize_per_tensor(x, dt), ref.quantize_per_tensor(x, dt))),
+            ("quantize_per_token", f"{name} {m}x{k}",
+             lambda dt=dt: (qf.quantize_per_token(x, dt), ref.quantize_per_token(x, dt))),
             (
                 "quantize_per_group",
                 f"{name} g128 transposed {m}x{xg.shape[1]}",
@@ -66,11 +68,14 @@ def _quantize_cases(device: str, big: bool) -> List[tuple]:
             ),
         ]
     cases.append(
-        ("quantize_per_token", f"int8 asymmetric {m}x{k}", lambda: (qf.quantize_per_token(x, i8, symmetric=False), ref.quantize_per_token(x, i8, symmetric=False)))
+        ("quantize_per_token", f"int8 asymmetric {m}x{k}",
+         lambda: (qf.quantize_per_token(x, i8, symmetric=False), ref.quantize_per_token(x, i8, symmetric=False)))
     )
     q, s, z = ref.quantize_per_token(x, i8, symmetric=False)
     cases.append(
-        ("dequantize", f"int8 asymmetric -> bf16 {m}x{k}", lambda: ((qf.dequantize(q, s, z, out_dtype=torch.bfloat16),), (ref.dequantize(q, s, z, out_dtype=torch.bfloat16),)))
+        ("dequantize", f"int8 asymmetric -> bf16 {m}x{k}",
+         lambda: ((qf.dequantize(q, s, z, out_dtype=torch.bfloat16),),
+                  (ref.dequantize(q, s, z, out_dtype=torch.bfloat16),)))
     )
     return cases
 

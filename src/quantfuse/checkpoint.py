@@ -199,7 +199,8 @@ def load_quantized(directory: Union[str, os.PathLike], model_skeleton_or_hf_dir:
     with open(os.path.join(directory, QUANTFUSE_FILE)) as f:
         info = json.load(f)
     if info.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{QUANTFUSE_FILE}: expected format_version {FORMAT_VERSION}, got {info.get('format_version')!r}")
+        raise ValueError(f"{QUANTFUSE_FILE}: expected format_version {FORMAT_VERSION}, "
+                         f"got {info.get('format_version')!r}")
     tensors = load_file(os.path.join(directory, TENSORS_FILE))
 
     if isinstance(model_skeleton_or_hf_dir, nn.Module):

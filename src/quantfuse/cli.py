@@ -24,7 +24,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import CALIBRATORS, SCHEMES, DemoError, run_demo
 
-    schemes = SCHEMES if args.schemes in (None, "all") else tuple(s.strip() for s in args.schemes.split(",") if s.strip())
+    schemes = SCHEMES if args.schemes in (None, "all") else \
+        tuple(s.strip() for s in args.schemes.split(",") if s.strip())
     calibrators = (CALIBRATORS if args.calibrators in (None, "all")
                    else tuple(c.strip() for c in args.calibrators.split(",") if c.strip()))
     try:

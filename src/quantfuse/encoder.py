@@ -680,7 +680,8 @@ class Int8Encoder(torch.nn.Module):
         if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int) or streams < 1):
             raise ValueError(f"streams: expected None (automatic) or an int >= 1, got {streams!r}")
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-            raise ValueError(f"input_ids: expected a [batch, seq] tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+            raise ValueError(f"input_ids: expected a [batch, seq] tensor, "
+                             f"got {getattr(input_ids, 'shape', input_ids)!r}")
         b, s = input_ids.shape
         if attention_mask is not None and tuple(attention_mask.shape) != (b, s):
             raise ValueError(f"attention_mask: expected shape {(b, s)}, got {tuple(attention_mask.shape)}")

@@ -487,7 +487,8 @@ def _silu_and_mul_quant_dynamic(
     x: Tensor, dtype: torch.dtype, group_size: Optional[int], scale_ub: Optional[Tensor], transposed_scales: bool
 ) -> Tuple[Tensor, Tensor]:
     if use_triton(x) and x.numel() > 0:
-        q, scales = _silu_kernels().silu_and_mul_quant(rows_view(x), dtype, group_size, None, scale_ub, transposed_scales)
+        q, scales = _silu_kernels().silu_and_mul_quant(rows_view(x), dtype, group_size, None, scale_ub,
+                                                       transposed_scales)
         return q.view(_silu_out_shape(x)), scales
     return ref.silu_and_mul_quant(x, dtype, group_size, None, scale_ub, transposed_scales)
 
@@ -545,12 +546,15 @@ def silu_and_mul_quant(
     if scale is not None:
         if group_size is not None:
             raise ValueError(
-                f"group_size: a static scale is per tensor; expected group_size=None with scale given, got {group_size!r}"
+                f"group_size: a static scale is per tensor; expected group_size=None with scale given, "
+                f"got {group_size!r}"
             )
         if scale_ub is not None:
-            raise ValueError("scale_ub: only meaningful for dynamic scales; expected None with a static scale, got a tensor")
+            raise ValueError("scale_ub: only meaningful for dynamic scales; expected None with a static scale, "
+                             "got a tensor")
         if transposed_scales:
-            raise ValueError("transposed_scales: only meaningful with group_size; expected False with a static scale, got True")
+            raise ValueError("transposed_scales: only meaningful with group_size; expected False with a static "
+                             "scale, got True")
         check_scale("scale", scale, x, (1,))
         return _silu_and_mul_quant_static(x, dtype, scale), scale
     if group_size is not None:
@@ -560,7 +564,8 @@ def silu_and_mul_quant(
                 f"group_size: expected a divisor of H = {two_h // 2} (half the last dimension of x), got {group_size}"
             )
     elif transposed_scales:
-        raise ValueError("transposed_scales: only meaningful with group_size; expected False for per-token scales, got True")
+        raise ValueError("transposed_scales: only meaningful with group_size; expected False for per-token "
+                         "scales, got True")
     _check_scale_ub(scale_ub, x)
     return _silu_and_mul_quant_dynamic(x, dtype, group_size, scale_ub, transposed_scales)
 

@@ -515,7 +515,8 @@ def quantize_(model: nn.Module, config: QuantConfig, calibration_data: Optional[
         except (ValueError, TypeError) as err:
             scheme = fused_cls.layer_class.scheme if fused_cls is not None else cfg.scheme
             raise ValueError(f"layer '{name}' ({type(module).__name__}"
-                             + (f" {module.in_features}->{module.out_features}" if isinstance(module, nn.Linear) else "")
+                             + (f" {module.in_features}->{module.out_features}"
+                                if isinstance(module, nn.Linear) else "")
                              + f") cannot take scheme {scheme}: {err}. "
                              "Add it to skip or give it another config in overrides.") from err
         for alias in aliases[id(module)]:

@@ -380,7 +380,8 @@ def _check_float(name, t, ndim) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {str(t.dtype).replace('torch.', '')}")
+        raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, "
+                        f"got {str(t.dtype).replace('torch.', '')}")
     if t.dim() != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
 

@@ -73,7 +73,8 @@ def quantize_tile(device: torch.device, kind: str, k: int, group: int = 1) -> Ti
 def _sm_count(device_type: str, index) -> int:
     if device_type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
+    device = index if index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def sm_count(device: torch.device) -> int:

@@ -212,7 +212,8 @@ def _dequant_kernel(
     else:
         s = tl.load(scale_ptr + rows[:, None] * stride_sm + (cols[None, :] // GROUP) * stride_sg, mask=mask, other=0.0)
         out = q * s
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], cast_to(out, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], cast_to(out, out_ptr.dtype.element_ty, INTERPRET),
+             mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------
