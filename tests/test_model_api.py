@@ -485,6 +485,56 @@ def test_load_errors(tmp_path):
     save_quantized(model, tmp_path / "ckpt")
     with pytest.raises(ValueError, match="same architecture"):
         load_quantized(tmp_path / "ckpt", sequential())
+    with pytest.raises(ValueError, match="layer 'layers.0.q_proj' is Linear\\(128, 64\\) in the model, "
+                                         "\\(128, 128\\) in the checkpoint"):
+        skeleton = TinyLlama()
+        skeleton.layers[0].q_proj = nn.Linear(128, 64)
+        load_quantized(tmp_path / "ckpt", skeleton)
+
+
+def _tampered(src, dst, tensors=None, info=None):
+    """A copy of checkpoint `src` in `dst` with its tensors and / or quantfuse.json changed by the callables."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if tensors is not None:
+        state = load_file(dst / "model.safetensors")
+        tensors(state)
+        save_file(state, dst / "model.safetensors")
+    if info is not None:
+        data = json.loads((dst / "quantfuse.json").read_text())
+        (dst / "quantfuse.json").write_text(json.dumps(info(data)))
+    return dst
+
+
+def test_load_refuses_incomplete_or_relabelled_checkpoints(tmp_path):
+    """A checkpoint that lost an optional tensor (bias, zero point), or whose layer class or fields were changed,
+    fails with an error naming the layer instead of loading as another model."""
+    model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 64))
+    quantize_(model, Int8StaticConfig(symmetric=False), calibration_data=[torch.randn(4, 128)], progress=False)
+    save_quantized(model, tmp_path / "ok")
+    skeleton = lambda: nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 64))  # noqa: E731
+    x = torch.randn(3, 128)
+    assert torch.equal(load_quantized(tmp_path / "ok", skeleton())(x), model(x))
+    cases = {
+        "no bias": (dict(tensors=lambda t: t.pop("2.bias")), "layer '2' .*missing \\['bias'\\]"),
+        "no zero point": (dict(tensors=lambda t: t.pop("0.input_zero_point")), "missing \\['input_zero_point'\\]"),
+        "static as dynamic": (dict(info=lambda i: i["modules"]["0"].update({"class": "Int8DynamicLinear"}) or i),
+                              "layer '0' \\(Int8DynamicLinear\\) uses the tensors"),
+        "no modules": (dict(info=lambda i: {"format_version": i["format_version"]}), "'modules' object"),
+        "a list": (dict(info=lambda i: []), "'modules' object"),
+    }
+    for label, (change, match) in cases.items():
+        with pytest.raises(ValueError, match=match):
+            load_quantized(_tampered(tmp_path / "ok", tmp_path / label.replace(" ", "_"), **change), skeleton())
+    wo = nn.Sequential(nn.Linear(128, 64))
+    quantize_(wo, Int4WeightOnlyConfig(group_size=64), progress=False)
+    save_quantized(wo, tmp_path / "wo")
+    relabel = lambda i: i["modules"]["0"].update({"bits": 8}) or i  # noqa: E731
+    with pytest.raises(ValueError, match="layer '0' \\(WeightOnlyLinear\\) cannot be rebuilt.*weight_packed"):
+        load_quantized(_tampered(tmp_path / "wo", tmp_path / "wo8", info=relabel), nn.Sequential(nn.Linear(128, 64)))
 
 
 def test_compressed_tensors_config_layout(tmp_path):

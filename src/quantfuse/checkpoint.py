@@ -149,11 +149,17 @@ def _skeleton_from_hf(path: str) -> nn.Module:
     if model_type is None:
         raise ValueError(f"{config_path}: expected a 'model_type' entry (a Hugging Face config), found none")
     config = transformers.AutoConfig.for_model(model_type, **raw)
-    architectures = raw.get("architectures") or []
+    cls = hf_model_class(config)
+    return cls.from_config(config) if cls is transformers.AutoModel else cls(config)
+
+
+def hf_model_class(config):
+    """The transformers class a config was saved from (its first `architectures` entry), else AutoModel."""
+    import transformers
+
+    architectures = getattr(config, "architectures", None) or []
     cls = getattr(transformers, architectures[0], None) if architectures else None
-    if cls is None:
-        return transformers.AutoModel.from_config(config)
-    return cls(config)
+    return transformers.AutoModel if cls is None else cls
 
 
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -168,6 +174,8 @@ def _local(tensors: Dict[str, torch.Tensor], prefix: str) -> Dict[str, torch.Ten
 
 
 def _build_layer(meta: dict, tensors: Dict[str, torch.Tensor], name: str) -> QuantizedLinear:
+    if not isinstance(meta, dict):
+        raise ValueError(f"{QUANTFUSE_FILE}: layer '{name}': expected an object, got {type(meta).__name__}")
     cls = MODULE_CLASSES.get(meta.get("class"))
     if cls is None:
         raise ValueError(f"{QUANTFUSE_FILE}: layer '{name}' has unknown class {meta.get('class')!r}; "
@@ -175,7 +183,39 @@ def _build_layer(meta: dict, tensors: Dict[str, torch.Tensor], name: str) -> Qua
     local = _local(tensors, f"{name}.")
     if not local:
         raise ValueError(f"{TENSORS_FILE}: no tensors for layer '{name}'")
-    return cls.from_checkpoint(local, meta)
+    if "tensors" in meta and sorted(local) != sorted(meta["tensors"]):  # (files before it recorded no list)
+        missing, extra = sorted(set(meta["tensors"]) - set(local)), sorted(set(local) - set(meta["tensors"]))
+        raise ValueError(f"{TENSORS_FILE}: layer '{name}' ({meta['class']}) expected tensors {meta['tensors']}; "
+                         f"missing {missing}, unexpected {extra}")
+    try:
+        layer = cls.from_checkpoint(local, meta)
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{TENSORS_FILE} / {QUANTFUSE_FILE}: layer '{name}' ({meta['class']}) cannot be rebuilt "
+                         f"from its tensors {sorted(local)}: {type(err).__name__}: {err}") from err
+    if sorted(layer.checkpoint_tensors()) != sorted(local):  # e.g. a static layer's input_scale read by no one
+        raise ValueError(f"{TENSORS_FILE} / {QUANTFUSE_FILE}: layer '{name}' ({meta['class']}) uses the tensors "
+                         f"{sorted(layer.checkpoint_tensors())}, the checkpoint holds {sorted(local)}")
+    shape = (meta.get("in_features"), meta.get("out_features"))
+    if shape != (layer.in_features, layer.out_features):
+        raise ValueError(f"{QUANTFUSE_FILE}: layer '{name}' records in / out features {shape}, its tensors hold "
+                         f"{(layer.in_features, layer.out_features)}")
+    return layer
+
+
+def _check_skeleton_layer(model: nn.Module, name: str, new: nn.Module) -> None:
+    """The skeleton's layer at `name` must exist and, where it is an nn.Linear, have the checkpoint layer's
+    shape (load_state_dict's size check, which installing the quantized module would bypass; the checkpoint's
+    tensors, bias included, define the layer)."""
+    try:
+        old = model.get_submodule(name)
+    except AttributeError as err:
+        raise ValueError(f"model_skeleton_or_hf_dir: the model has no layer '{name}' that the checkpoint "
+                         "quantized; is it the same architecture?") from err
+    if isinstance(old, nn.Linear) and isinstance(new, QuantizedLinear) \
+            and (old.in_features, old.out_features) != (new.in_features, new.out_features):
+        raise ValueError(f"model_skeleton_or_hf_dir: layer '{name}' is Linear({old.in_features}, {old.out_features}) "
+                         f"in the model, ({new.in_features}, {new.out_features}) in the checkpoint; is it the same "
+                         "configuration?")
 
 
 @torch.no_grad()
@@ -198,6 +238,10 @@ def load_quantized(directory: Union[str, os.PathLike], model_skeleton_or_hf_dir:
                                     "write one with quantfuse.save_quantized)")
     with open(os.path.join(directory, QUANTFUSE_FILE)) as f:
         info = json.load(f)
+    if not isinstance(info, dict) or not isinstance(info.get("modules"), dict):
+        raise ValueError(f"{QUANTFUSE_FILE}: expected an object with a 'modules' object (layer name -> layer), "
+                         f"got {type(info).__name__}"
+                         + (f" with keys {sorted(info)}" if isinstance(info, dict) else ""))
     if info.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{QUANTFUSE_FILE}: expected format_version {FORMAT_VERSION}, "
                          f"got {info.get('format_version')!r}")
@@ -213,17 +257,19 @@ def load_quantized(directory: Union[str, os.PathLike], model_skeleton_or_hf_dir:
 
     prefixes = []
     for name, meta in info["modules"].items():
-        if meta.get("class") in GATED_MLP_CLASSES:
+        if isinstance(meta, dict) and meta.get("class") in GATED_MLP_CLASSES:
+            if not isinstance(meta.get("layers"), dict) or sorted(meta["layers"]) != ["down_proj", "gate_proj",
+                                                                                    "up_proj"]:
+                raise ValueError(f"{QUANTFUSE_FILE}: fused MLP '{name}': expected 'layers' with gate_proj, up_proj "
+                                 f"and down_proj, got {meta.get('layers')!r}"[:300])
             subs = {sub: _build_layer(m, tensors, f"{name}.{sub}" if name else sub)
                     for sub, m in meta["layers"].items()}
             new = GATED_MLP_CLASSES[meta["class"]].from_layers(subs["gate_proj"], subs["up_proj"], subs["down_proj"])
+            for sub, layer in subs.items():
+                _check_skeleton_layer(model, f"{name}.{sub}" if name else sub, layer)
         else:
             new = _build_layer(meta, tensors, name)
-        try:
-            model.get_submodule(name)
-        except AttributeError as err:
-            raise ValueError(f"model_skeleton_or_hf_dir: the model has no layer '{name}' that the checkpoint "
-                             "quantized; is it the same architecture?") from err
+            _check_skeleton_layer(model, name, new)
         _set_module(model, name, new)
         prefixes.append(f"{name}.")
     prefixes_t = tuple(prefixes)

@@ -15,6 +15,17 @@ def _error(command: str, message: str) -> int:
     return 2
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a count of sentences, a batch size, repeats)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from .check import run_check
 
@@ -49,6 +60,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         path = check_model_dir(args.model_dir)
     except DemoError as err:
         return _error("quantize", str(err))
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        return _error("quantize", f"output: {args.output} exists and is not a directory")
     if os.path.exists(args.output) and os.listdir(args.output) and not args.overwrite:
         return _error("quantize", f"output directory {args.output} exists and is not empty (pass --overwrite)")
     kwargs = {"skip": ("lm_head", *args.skip)}
@@ -66,11 +79,16 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
     except ImportError:
         return _error("quantize", "needs transformers: pip install 'quantfuse[model]'")
+    from .checkpoint import hf_model_class
+
     try:
-        model = AutoModel.from_pretrained(path, local_files_only=True).float().eval()
+        # the class the directory was saved from (config.architectures: a *ForCausalLM keeps its lm_head and its
+        # layer names), AutoModel where it names none
+        model_class = hf_model_class(AutoConfig.from_pretrained(path, local_files_only=True))
+        model = model_class.from_pretrained(path, local_files_only=True).float().eval()
     except (OSError, ValueError) as err:
         return _error("quantize", f"could not load a model from {path}: {err}")
     tokenizer = None
@@ -82,7 +100,10 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     if config.needs_calibration or any(c is not None and c.needs_calibration for c in config.overrides.values()):
         if tokenizer is None:
             return _error("quantize", f"{args.scheme} needs calibration text, but {path} has no tokenizer")
-        data = tokenize(tokenizer, load_demo_sentences(args.calibration_sentences), 32, "cpu")
+        try:
+            data = tokenize(tokenizer, load_demo_sentences(args.calibration_sentences), 32, "cpu")
+        except DemoError as err:
+            return _error("quantize", str(err))
     try:
         quantize_(model, config, calibration_data=data, progress=not args.no_progress)
     except ValueError as err:
@@ -145,9 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--schemes", default=None, help="comma-separated schemes (default: all)")
     demo.add_argument("--calibrators", default=None,
                       help="comma-separated calibrators for int8_static: max,percentile,mse,entropy (default: all)")
-    demo.add_argument("--max-sentences", type=int, default=None, help="use only the first N bundled sentences")
-    demo.add_argument("--batch-size", type=int, default=32)
-    demo.add_argument("--repeats", type=int, default=5, help="timed forward passes per scheme (median)")
+    demo.add_argument("--max-sentences", type=_positive_int, default=None,
+                      help="use only the first N bundled sentences")
+    demo.add_argument("--batch-size", type=_positive_int, default=32)
+    demo.add_argument("--repeats", type=_positive_int, default=5, help="timed forward passes per scheme (median)")
     demo.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON records")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.set_defaults(func=_cmd_demo)
@@ -164,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--group-size", type=int, default=None, help="weight-only group size (-1 = per channel)")
     quant.add_argument("--skip", action="append", default=[], metavar="PATTERN",
                        help="leave layers matching PATTERN in floating point (repeatable)")
-    quant.add_argument("--calibration-sentences", type=int, default=None,
+    quant.add_argument("--calibration-sentences", type=_positive_int, default=None,
                        help="calibrate on the first N bundled sentences (default: all)")
     quant.add_argument("--overwrite", action="store_true")
     quant.add_argument("--no-progress", action="store_true")

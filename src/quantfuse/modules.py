@@ -261,8 +261,11 @@ class QuantizedLinear(nn.Module):
         return [n for n in self._buffers if n not in self._non_persistent_buffers_set]
 
     def checkpoint_meta(self) -> Dict[str, object]:
-        """Everything besides tensors needed to rebuild the module (stored in quantfuse.json)."""
-        return {"class": type(self).__name__, "in_features": self.in_features, "out_features": self.out_features}
+        """Everything besides tensors needed to rebuild the module (stored in quantfuse.json), and the names of its
+        tensors (optional ones, bias and zero points, included: a checkpoint missing one must not load as a
+        different layer)."""
+        return {"class": type(self).__name__, "in_features": self.in_features, "out_features": self.out_features,
+                "tensors": sorted(self.checkpoint_tensors())}
 
     @classmethod
     def from_checkpoint(cls, tensors: Dict[str, Tensor], meta: Dict[str, object]) -> "QuantizedLinear":
@@ -723,6 +726,10 @@ class WeightOnlyLinear(QuantizedLinear):
         super().__init__(k, n, bias)
         if bits not in (4, 8):
             raise ValueError(f"bits: expected 4 or 8, got {bits}")
+        words = -(-k // (32 // bits))
+        if tuple(weight_packed.shape) != (n, words):
+            raise ValueError(f"weight_packed: expected shape ({n}, {words}) for weight_shape ({n}, {k}) and "
+                             f"bits={bits}, got {tuple(weight_packed.shape)}")
         self.bits = int(bits)
         self.group_size = int(group_size)
         self.register_buffer("weight_packed", weight_packed.to(torch.int32).contiguous())
