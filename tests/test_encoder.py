@@ -1132,6 +1132,42 @@ def test_from_hf_unsupported_models(overrides, words):
         assert word in str(info.value)
 
 
+def test_from_hf_refuses_models_it_would_compute_wrong():
+    """RoBERTa-style position embeddings (counting from padding_idx + 1), no layers, non-BERT layouts and
+    calibration arguments that cannot work are refused before anything is built."""
+    transformers = pytest.importorskip("transformers")
+    kw = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB)
+    roberta = transformers.RobertaModel(transformers.RobertaConfig(**kw, pad_token_id=1)).eval()
+    with pytest.raises(ValueError, match="RoBERTa-style"):
+        Int8Encoder.from_hf(roberta, _calib(), calibrator="max")
+    with pytest.raises(ValueError, match="at least one encoder layer"):
+        Int8Encoder.from_hf(_bad_config_bert(num_hidden_layers=0), _calib(), calibrator="max")
+    distil = transformers.DistilBertModel(transformers.DistilBertConfig(vocab_size=VOCAB, dim=64, hidden_dim=128,
+                                                                         n_layers=1, n_heads=4))
+    for model in (distil, "bert-base-uncased"):
+        with pytest.raises(ValueError, match="BERT-style"):
+            Int8Encoder.from_hf(model, _calib(), calibrator="max")
+    bert = _bad_config_bert()
+    with pytest.raises(ValueError, match="percentile"):
+        Int8Encoder.from_hf(bert, _calib(), percentile=0)
+    with pytest.raises(TypeError, match="wrap it in a list"):
+        Int8Encoder.from_hf(bert, _calib()[0][0], calibrator="max")
+    with pytest.raises(ValueError, match="calibration_batches: expected input_ids of shape"):
+        Int8Encoder.from_hf(bert, [torch.zeros(2, 0, dtype=torch.long)], calibrator="max")
+
+
+def test_out_of_range_ids_give_nan_rows_on_the_reference_path(tiny):
+    """The CPU reference follows the kernel: an id outside the vocabulary (negative ones too, which torch's
+    indexing would wrap) gives its token a NaN embedding, which poisons its sequence only."""
+    _, encs = tiny[0.02]
+    ids, mask = u.random_batch(2, 8, vocab=VOCAB)
+    for bad in (-1, VOCAB):
+        bad_ids = ids.clone()
+        bad_ids[0, 3] = bad
+        out = encs[1](bad_ids, torch.ones_like(mask))
+        assert torch.isnan(out[0, 3]).all() and torch.isfinite(out[1]).all()
+
+
 def test_forward_bad_arguments(tiny):
     _, encs = tiny[0.02]
     e = encs[1]
@@ -1140,6 +1176,8 @@ def test_forward_bad_arguments(tiny):
         e(ids[0], mask[0])
     with pytest.raises(ValueError, match="input_ids"):
         e(ids.tolist(), mask)
+    with pytest.raises(ValueError, match="input_ids: expected a non-empty"):
+        e(ids[:, :0], mask[:, :0])
     with pytest.raises(ValueError, match="attention_mask"):
         e(ids, mask[:, :4])
     with pytest.raises(ValueError, match="token_type_ids"):

@@ -160,10 +160,20 @@ def reference_int8_attention(qk, vt, cu_seqlens, max_seqlen, key_mask, q_scale, 
     return out
 
 
+def _rows_or_nan(table: Tensor, index: Tensor) -> Tensor:
+    """table[index] as float32, NaN rows where index is outside [0, rows) (the kernel's rule: never a wrapped
+    negative index or an out-of-bounds read)."""
+    index = index.long()
+    ok = (index >= 0) & (index < table.shape[0])
+    rows = table[torch.where(ok, index, 0)].float()
+    return torch.where(ok[..., None], rows, float("nan"))
+
+
 def reference_embedding_sum(word, pos, typ, ids, positions, types):
     """fp16(word[ids] + pos[positions] + type[types]): the fp16 table rows summed in float32 in that order,
-    one rounding to fp16 at the end (the encoder's embedding LayerNorm kernel computes the same)."""
-    return (word[ids].float() + pos[positions].float() + typ[types.long()].float()).to(torch.float16)
+    one rounding to fp16 at the end (the encoder's embedding LayerNorm kernel computes the same); an index
+    outside its table gives a NaN row."""
+    return (_rows_or_nan(word, ids) + _rows_or_nan(pos, positions) + _rows_or_nan(typ, types)).to(torch.float16)
 
 
 def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=None, dequant_fp16=False,
@@ -177,10 +187,15 @@ def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=
     outside its rows dropped) and the rest of out_fp16 is left as it was."""
     if embed is not None:
         ids, types, positions, type_emb, pos_emb = embed[:5]
-        if len(embed) == 6:  # row r is token gather[r]
+        gather_ok = None
+        if len(embed) == 6:  # row r is token gather[r]; an index outside [0, tokens) gives a NaN row
             gather = embed[5].long()
+            gather_ok = (gather >= 0) & (gather < ids.numel())
+            gather = torch.where(gather_ok, gather, 0)
             ids, types, positions = ids[gather], types[gather], positions[gather]
         y = reference_embedding_sum(y, pos_emb, type_emb, ids, positions, types)
+        if gather_ok is not None:
+            y = torch.where(gather_ok[:, None], y, float("nan")).to(torch.float16)
     yf = y.float()
     centered = yf - yf.mean(-1, keepdim=True)
     var = (centered * centered).mean(-1, keepdim=True)
@@ -305,6 +320,17 @@ def _hf_parts(model):
     bert = model
     if not hasattr(bert, "encoder") and hasattr(bert, "bert"):
         bert = bert.bert
+    embeddings = getattr(bert, "embeddings", None)
+    if not isinstance(bert, torch.nn.Module) or not hasattr(getattr(bert, "encoder", None), "layer") \
+            or not hasattr(embeddings, "position_embeddings") or not hasattr(bert, "config"):
+        raise ValueError(f"model: expected a BERT-style Hugging Face model (embeddings with position_embeddings, "
+                         f"encoder.layer), got {type(model).__name__}")
+    if getattr(embeddings.position_embeddings, "padding_idx", None) is not None:
+        # RoBERTa / XLM-R: positions start at padding_idx + 1 and skip padding; this encoder uses 0..S-1
+        raise ValueError(f"model: expected BERT position embeddings (positions 0..S-1), got "
+                         f"{type(bert).__name__}'s, which count from padding_idx + 1 (RoBERTa-style)")
+    if len(bert.encoder.layer) == 0:
+        raise ValueError("model: expected at least one encoder layer, got none")
     cfg = bert.config
     if getattr(cfg, "hidden_act", "gelu") != "gelu":
         raise ValueError(f"model: expected hidden_act 'gelu' (erf GELU), got {cfg.hidden_act!r}")
@@ -403,6 +429,9 @@ def _batch_fields(batch, device):
         tt = batch[2] if len(batch) > 2 else None
     else:
         ids, mask, tt = batch, None, None
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or 0 in ids.shape:
+        raise ValueError(f"calibration_batches: expected input_ids of shape [batch, seq] (non-empty) in each batch, "
+                         f"got {getattr(ids, 'shape', type(ids).__name__)}")
     ids = ids.to(device)
     mask = torch.ones_like(ids) if mask is None else mask.to(device)
     tt = torch.zeros_like(ids) if tt is None else tt.to(device)
@@ -578,6 +607,11 @@ class Int8Encoder(torch.nn.Module):
         if smoothing is not None and (isinstance(smoothing, bool) or not isinstance(smoothing, (int, float))
                                       or not 0.0 <= smoothing <= 1.0):
             raise ValueError(f"smoothing: expected None or a SmoothQuant alpha in [0, 1], got {smoothing!r}")
+        if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
+            raise ValueError(f"percentile: expected a number in (0, 100], got {percentile!r}")
+        if isinstance(calibration_batches, Tensor):
+            raise TypeError("calibration_batches: expected an iterable of batches (e.g. a list of input_ids tensors "
+                            "or dicts), got one Tensor; wrap it in a list")
         bert, cfg = _hf_parts(model)
         src_device = next(bert.parameters()).device
         device = torch.device(device) if device is not None else src_device
@@ -679,8 +713,8 @@ class Int8Encoder(torch.nn.Module):
         batch's, so an int8 code can differ by one at a rounding tie between a split and an unsplit forward."""
         if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int) or streams < 1):
             raise ValueError(f"streams: expected None (automatic) or an int >= 1, got {streams!r}")
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-            raise ValueError(f"input_ids: expected a [batch, seq] tensor, "
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
+            raise ValueError(f"input_ids: expected a non-empty [batch, seq] tensor, "
                              f"got {getattr(input_ids, 'shape', input_ids)!r}")
         b, s = input_ids.shape
         if attention_mask is not None and tuple(attention_mask.shape) != (b, s):
