@@ -65,7 +65,10 @@ def main() -> None:
         for name, (ours, peer, scale_bytes) in cases().items():
             total = bytes_in + m * k + scale_bytes(m, k)
             t_ours = time_ms(ours, inputs, graph=graph)
-            compiled = torch.compile(peer)
+            # a fresh, static-shape compile per shape: the case lambdas share one code object, so without the reset
+            # dynamo recompiled the second shape with M dynamic and the third reused that graph (a review, stop 60)
+            torch._dynamo.reset()
+            compiled = torch.compile(peer, dynamic=False)
             t_comp = time_ms(compiled, inputs, graph=graph)
             gbs = total / (t_ours * 1e-3) / 1e9
             rows.append(

@@ -14,6 +14,11 @@ import os
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _number(value) -> float:
+    """A cell as a bar height: non-numeric cells ("n/a", "error: ...") and None as 0."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
@@ -56,7 +61,7 @@ def plot(record: dict, plots_dir: str) -> str | None:
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(rows)), 4))
     width = 0.8 / len(ratio_cols)
     for i, col in enumerate(ratio_cols):
-        ax.bar([j + i * width for j in range(len(rows))], [float(r.get(col, 0) or 0) for r in rows], width, label=col)
+        ax.bar([j + i * width for j in range(len(rows))], [_number(r.get(col)) for r in rows], width, label=col)
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
     ax.set_xticklabels(labels, rotation=75, fontsize=6)
