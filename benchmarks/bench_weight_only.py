@@ -14,6 +14,10 @@ bf16 alternate in BENCH_ROUNDS rounds, default 3, and report the median round):
 weight_GBs = (packed weight + scales (+ zero points)) bytes / ours time; frac_copy_bw divides it by the
 device-to-device copy bandwidth measured in this run (read + write bytes per second).
 speedup_vs_X = X time / ours time (> 1: ours faster).
+BENCH_DECODE_PDL (default 0): the decode kernels' programmatic dependent launch (configs.DECODE_PDL) stays off
+here: a graph replays the same call back to back, so with it each call's launch and prologue hide under the previous
+call's tail, a 0.6-6% gain (results/tune_weight_only_decode_pdl.json) that the same A/B did not find inside a model
+layer, where another kernel precedes. 1 keeps the shipped table.
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/bench_weight_only.py   (BENCH_QUICK=1: fewer shapes)
 """
 
@@ -269,6 +273,10 @@ def bench_shape(k, n, ms, bits, bw, rows, tinygemm_status, start):
 
 def main():
     torch.manual_seed(0)
+    if os.environ.get("BENCH_DECODE_PDL", "0") != "1":
+        from quantfuse.kernels import configs
+
+        configs.DECODE_PDL = {}  # (module doc)
     info = common.env_info()
     bw = common.copy_bandwidth_gbs()
     print(f"device {info.get('device')}  torch {info['torch']}  triton {info['triton']}  copy {bw:.0f} GB/s",
