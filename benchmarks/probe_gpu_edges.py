@@ -56,6 +56,17 @@ import traceback
 import zlib
 
 
+
+def group_region_masks(m, width, row, col, group):
+    """(element mask [m, width], group-scale mask [m, width / group]) with False on the group of `row` holding
+    column `col`: the region a NaN / Inf there may poison."""
+    g = col // group
+    emask = torch.ones(m, width, dtype=torch.bool)
+    emask[row, g * group:(g + 1) * group] = False
+    smask = torch.ones(m, width // group, dtype=torch.bool)
+    smask[row, g] = False
+    return emask, smask
+
 def _parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-dry-run", action="store_true", help="CPU + TRITON_INTERPRET=1, a handful of small cases")
@@ -423,11 +434,7 @@ def case_quant(kind, m, k, in_dt, qdt, layout="contig", special=None, group=128,
             emask = keep[:, None].expand(mm, k)
             smask = keep[:, None]
         else:
-            g = min(k - 1, 5) // group
-            emask = torch.ones(mm, k, dtype=torch.bool)
-            emask[r, g * group:(g + 1) * group] = False
-            smask = torch.ones(mm, k // group, dtype=torch.bool)
-            smask[r, g] = False
+            emask, smask = group_region_masks(mm, k, r, min(k - 1, 5), group)
     if special in ("nan", "inf") and kind == "tensor" and static is None:
         # the whole tensor is the region: only no crash / right shapes are required
         return "nan/inf per tensor: shapes ok"
@@ -503,11 +510,7 @@ def case_silu(m, h, in_dt, qdt, mode, transposed=False, layout="contig", ub=None
             emask = torch.ones(mm, h, dtype=torch.bool)
             emask[r, min(h - 1, 3)] = False
         else:
-            g = min(h - 1, 3) // group
-            emask = torch.ones(mm, h, dtype=torch.bool)
-            emask[r, g * group:(g + 1) * group] = False
-            smask = torch.ones(mm, h // group, dtype=torch.bool)
-            smask[r, g] = False
+            emask, smask = group_region_masks(mm, h, r, min(h - 1, 3), group)
     notes = [check_codes(flat(q, h), flat(qr, h), 1e-3, emask, "q(cpu ref)")]
     if mode != "static":
         notes.append(check_close(s, sr, 1e-5, smask, "scale"))
