@@ -334,8 +334,10 @@ def test_calibration_errors_name_the_layer_and_batch():
     with pytest.raises(TypeError, match="calibration_data: expected an iterable of batches"):
         quantize_(sequential(), Int8StaticConfig(), calibration_data=3, progress=False)
     bad = [torch.randn(4, 128), torch.full((4, 128), float("nan"))]
-    with pytest.raises(ValueError, match="batch 1 gave layer '0' an input with NaN or Inf"):
-        quantize_(sequential(), Int8StaticConfig(), calibration_data=bad, progress=False)
+    for config in (Int8StaticConfig(), Int4WeightOnlyConfig(algorithm="gptq")):
+        with pytest.raises(ValueError, match="batch 1 gave layer '0' an input it cannot calibrate on "
+                                             "\\(x: expected finite values, got 512 NaN/Inf of 512 elements\\)"):
+            quantize_(sequential(), config, calibration_data=bad, progress=False)
 
     class Unused(nn.Module):  # a layer the forward never calls sees no calibration data
         def __init__(self):

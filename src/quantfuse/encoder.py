@@ -187,15 +187,13 @@ def reference_layernorm_quant(y, gamma, beta, eps, out_scale, write_fp16, embed=
     outside its rows dropped) and the rest of out_fp16 is left as it was."""
     if embed is not None:
         ids, types, positions, type_emb, pos_emb = embed[:5]
-        gather_ok = None
-        if len(embed) == 6:  # row r is token gather[r]; an index outside [0, tokens) gives a NaN row
+        if len(embed) == 6:  # row r is token gather[r]; an index outside [0, tokens) gets id -1: a NaN row
             gather = embed[5].long()
-            gather_ok = (gather >= 0) & (gather < ids.numel())
-            gather = torch.where(gather_ok, gather, 0)
-            ids, types, positions = ids[gather], types[gather], positions[gather]
+            ok = (gather >= 0) & (gather < ids.numel())
+            gather = torch.where(ok, gather, 0)
+            ids = torch.where(ok, ids[gather].long(), -1)
+            types, positions = types[gather], positions[gather]
         y = reference_embedding_sum(y, pos_emb, type_emb, ids, positions, types)
-        if gather_ok is not None:
-            y = torch.where(gather_ok[:, None], y, float("nan")).to(torch.float16)
     yf = y.float()
     centered = yf - yf.mean(-1, keepdim=True)
     var = (centered * centered).mean(-1, keepdim=True)

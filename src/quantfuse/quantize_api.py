@@ -338,11 +338,17 @@ class _LayerStats:
         x = x.detach()
         if not x.is_floating_point() or x.numel() == 0:
             return
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError(f"calibration_data: batch {batch} gave layer '{self.name}' an input with NaN or Inf "
-                             "values; calibration needs finite activations")
+        from .calibrate import _check_finite_floats
+
+        try:  # one finiteness check per path: the calibrators make it themselves
+            if self.calibrator is not None:
+                self.calibrator.collect(x)
+            elif self.want_hessian:
+                _check_finite_floats("x", x)
+        except ValueError as err:
+            raise ValueError(f"calibration_data: batch {batch} gave layer '{self.name}' an input it cannot "
+                             f"calibrate on ({err})") from err
         if self.calibrator is not None:
-            self.calibrator.collect(x)
             self.lo = min(self.lo, float(x.min()))
             self.hi = max(self.hi, float(x.max()))
         if self.want_hessian:
