@@ -252,7 +252,8 @@ def test_torch_compile_fullgraph_and_cuda_graph():
 needs_ws = pytest.mark.skipif(
     not (torch.cuda.is_available() and rw.applies(*_operands(128, 128, 256, INT8))),
     reason="Gluon rowwise kernel: sm90 + Gluon with aggregates")
-WS_TILES = [kmm.WsConfig(), kmm.WsConfig(128, 256, 3, 16), kmm.WsConfig(128, 128, 4, 1)]
+WS_TILES = [kmm.WsConfig(), kmm.WsConfig(128, 256, 3, 16), kmm.WsConfig(128, 128, 4, 1),
+            kmm.WsConfig(128, 128, 5, 8, pingpong=True), kmm.WsConfig(128, 128, 3, 1, pingpong=True)]
 # M, N off the tiles, K tails (1040 = 8 K steps + 16), one K step, more tiles than programs
 WS_SHAPES = [(1, 128, 256), (300, 1040, 1000), (129, 4096, 257), (1100, 2064, 6144 + 40)]
 
@@ -286,7 +287,7 @@ def test_rowwise_ws_int8_matches_tl_bit_for_bit(monkeypatch, cfg, m, k, n, epilo
 
 
 @needs_ws
-@pytest.mark.parametrize("cfg", WS_TILES[:2], ids=str)
+@pytest.mark.parametrize("cfg", WS_TILES[:2] + WS_TILES[3:], ids=str)
 @pytest.mark.parametrize("m,k,n", WS_SHAPES)
 def test_rowwise_ws_fp8_within_bound(cfg, m, k, n):
     a, b = _operands(m, k, n, FP8)
@@ -300,7 +301,7 @@ def test_rowwise_ws_fp8_within_bound(cfg, m, k, n):
 @needs_ws
 @pytest.mark.parametrize("m,k,n", [(1024, 14336, 4096), (2048 + 100, 28672, 1024 + 8)])
 def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
-    """int8 from 1024 rows takes the Gluon kernel by default, at long and short K; fp8 and M < 1024 do not."""
+    """int8 and fp8 from 1024 rows take the Gluon kernel by default, at long and short K; M < 1024 does not."""
     spy = KernelSpy(rw._rowwise_ws_kernel)
     monkeypatch.setattr(rw, "_rowwise_ws_kernel", spy)
     a, b = _operands(m, k, n, INT8)
@@ -319,10 +320,36 @@ def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
     assert torch.equal(qf.scaled_mm(*short_k, sa, sb, torch.bfloat16, bias),
                        _tl_twin(*short_k, sa, sb, torch.bfloat16, bias))
     assert len(spy.calls) == 3  # the graph capture and short K (its tiles fill a round of SMs)
-    fewer_rows = (_operands(1023, k, n, INT8)[0], b)
-    for a_other, b_other in (fewer_rows, _operands(m, k, n, FP8)):
-        qf.scaled_mm(a_other, b_other, sa[: a_other.shape[0]], sb, torch.bfloat16, bias)
+    fewer_rows = _operands(1023, k, n, INT8)[0]
+    qf.scaled_mm(fewer_rows, b, sa[:1023], sb, torch.bfloat16, bias)
     assert len(spy.calls) == 3
+    fp8 = _operands(m, k, n, FP8)
+    assert_within_bound(qf.scaled_mm(*fp8, sa, sb, torch.bfloat16, bias), *fp8, sa, sb, bias)
+    assert len(spy.calls) == 4 and not spy.calls[3]["PINGPONG"]
+
+
+@needs_ws
+@pytest.mark.parametrize("m,k,n", [(1024, 4096, 6144), (1100, 2048 + 48, 4104)])
+def test_rowwise_ws_pingpong_dispatch(monkeypatch, m, k, n):
+    """Where its 128x128 tiles fill the last round better (scaled_mm.ws_units), the ping-pong schedule runs: int8
+    bit for bit the tl twin, fp8 within the bound, both under graph capture."""
+    spy = KernelSpy(rw._rowwise_ws_kernel)
+    monkeypatch.setattr(rw, "_rowwise_ws_kernel", spy)
+    sa, sb = _scales(m, n)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    for dtype in (INT8, FP8):
+        a, b = _operands(m, k, n, dtype)
+        out = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+        assert spy.calls[-1]["PINGPONG"] and spy.calls[-1]["STAGES"] == 5
+        if dtype == INT8:
+            assert torch.equal(out, _tl_twin(a, b, sa, sb, torch.bfloat16, bias))
+        assert_within_bound(out, a, b, sa, sb, bias)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, out)
 
 
 @needs_ws
@@ -346,7 +373,8 @@ def test_rowwise_ws_padded_rows_and_nonfinite_scales():
 def test_rowwise_ws_config_errors():
     a, b = _operands(128, 128, 256, INT8)
     sa, sb = _scales(128, 256)
-    for bad in (kmm.WsConfig(64, 256), kmm.WsConfig(128, 256, 5), kmm.WsConfig(128, 192)):
+    for bad in (kmm.WsConfig(64, 256), kmm.WsConfig(128, 256, 5), kmm.WsConfig(128, 192),
+                kmm.WsConfig(128, 256, 3, pingpong=True)):
         with pytest.raises(ValueError, match="block_m 128"):
             kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, None, None, None, config=bad)
     empty = kmm.scaled_mm(a[:0], b, sa[:0], sb, torch.bfloat16, None, None, None, config=kmm.WsConfig())

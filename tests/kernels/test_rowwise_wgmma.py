@@ -51,13 +51,48 @@ def sm90(monkeypatch):
     (1024, 4096, 2048, False), (1024, 4096, 1024, False), (1023, 28672, 8192, False), (16, 28672, 8192, False),
 ])
 def test_dispatch_rule(sm90, m, k, n, takes_ws):
-    int8 = kmm._pick_config(kmm.CONFIGS, m, n, k, sm90, None, None, "int8", True, True)
-    assert isinstance(int8, kmm.WsConfig) == takes_ws
-    # never where the kernel does not apply (no Gluon, not sm90, operands not describable), nor for fp8
-    assert isinstance(kmm._pick_config(kmm.CONFIGS, m, n, k, sm90, None, None, "int8", True, False), kmm.MMConfig)
-    assert isinstance(kmm._pick_config(kmm.CONFIGS, m, n, k, sm90, None, None, None, True, True), kmm.MMConfig)
-    no_tma = kmm._pick_config(kmm.CONFIGS, m, n, k, sm90, None, None, "int8", False, True)
-    assert isinstance(no_tma, kmm.MMConfig) and not no_tma.tma
+    # int8 and (since tune_scaled_mm_ws_dispatch.json) fp8 alike
+    for flavor in ("int8", None):
+        picked = kmm._pick_config(kmm.CONFIGS, m, n, k, sm90, None, None, flavor, True, True)
+        assert isinstance(picked, kmm.WsConfig) == takes_ws
+        # never where the kernel does not apply (no Gluon, not sm90, operands not describable)
+        assert isinstance(kmm._pick_config(kmm.CONFIGS, m, n, k, sm90, None, None, flavor, True, False),
+                          kmm.MMConfig)
+        no_tma = kmm._pick_config(kmm.CONFIGS, m, n, k, sm90, None, None, flavor, False, True)
+        assert isinstance(no_tma, kmm.MMConfig) and not no_tma.tma
+
+
+@pytest.mark.parametrize("m,k,n,pingpong", [
+    # the ping-pong schedule where its busiest program has at most 0.9 of the cooperative one's 128x128 tile-times:
+    # 1024x6144: 384 tiles -> 3 per program vs 192 -> 2 x 2; 1024x10240: 640 -> 5 vs 320 -> 3 x 2 (the measured
+    # wins of tune_scaled_mm_ws_dispatch.json)
+    (1024, 4096, 6144, True), (1024, 8192, 10240, True),
+    # equal, or barely fewer (4096x28672: 55 vs 56): the cooperative kernel, ahead there by 1-10%
+    (1024, 4096, 4096, False), (1024, 14336, 4096, False), (1024, 28672, 8192, False), (1024, 4096, 28672, False),
+    (2048, 4096, 6144, False), (4096, 4096, 4096, False), (4096, 4096, 28672, False), (8192, 8192, 8192, False),
+    # fewer tiles than a round of the cooperative kernel: the tl tiles, never ping-pong
+    (1024, 4096, 2048, False),
+])
+def test_pingpong_rule(sm90, m, k, n, pingpong):
+    for flavor in ("int8", None):
+        picked = kmm._pick_config(kmm.CONFIGS, m, n, k, sm90, None, None, flavor, True, True)
+        assert (isinstance(picked, kmm.WsConfig) and picked.pingpong) == pingpong
+        if pingpong:
+            assert picked == kmm.WsConfig(128, 128, 5, 8, pingpong=True)
+
+
+def test_row_split_counts_pingpong_rounds():
+    # a round of the ping-pong kernel is two 128x128 tiles per program: at N = 6144 (48 column tiles) 5 x 128
+    # rows, as for the cooperative kernel's 128x256 tiles one per program (24 column tiles); its part-filled extra
+    # round costs one 128x128 tile per program, half the cooperative kernel's, so a 16-row tail is split off at
+    # K = 4096 for the cooperative kernel only, at K = 65536 for both
+    coop, pp = kmm.WsConfig(), kmm.WsConfig(128, 128, 5, 8, pingpong=True)
+    for m in (640 + 16, 1280 + 16, 3 * 640 + 16):
+        main = m - 16
+        assert kmm.row_split(m, 6144, 65536, 1, pp, 132, "sm90") == main
+        assert kmm.row_split(m, 6144, 65536, 1, coop, 132, "sm90") == main
+        assert kmm.row_split(m, 6144, 4096, 1, coop, 132, "sm90") == main
+        assert kmm.row_split(m, 6144, 4096, 1, pp, 132, "sm90") == 0
 
 
 def test_dispatch_keeps_the_old_rows_without_the_kernel(sm90):
@@ -68,7 +103,7 @@ def test_dispatch_keeps_the_old_rows_without_the_kernel(sm90):
         128, 128, 128, 4, 3, tma=True, persistent=2)
 
 
-def _compile_sm90(dtype: str, azp_mode: int, stages: int = 4, block_n: int = 256):
+def _compile_sm90(dtype: str, azp_mode: int, stages: int = 4, block_n: int = 256, pingpong: bool = False):
     """The kernel built for sm90 by this Triton, with the integer arguments specialized as the launcher sees them
     at aligned shapes."""
     a, b = _operands(512, 1024, 512, {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[dtype])
@@ -78,26 +113,52 @@ def _compile_sm90(dtype: str, azp_mode: int, stages: int = 4, block_n: int = 256
                 b_desc=_gluon.operand_descriptor(b.t(), [block_n, rw.BLOCK_K]),
                 out_ptr=out, scale_a_ptr=sa, scale_b_ptr=sb, bias_ptr=out, azp_adj_ptr=adj, azp_ptr=adj)
     consts = dict(SCALE_A_PER_ROW=True, SCALE_B_PER_COL=True, HAS_BIAS=True, AZP_MODE=azp_mode, GROUP_M=8,
-                  STAGES=stages, CONSUMER_REGS=rw.WS_CONSUMER_REGS, num_warps=4)
+                  STAGES=stages, CONSUMER_REGS=rw.WS_CONSUMER_REGS, num_warps=4, PINGPONG=pingpong)
     return gluon_sm90_build(rw._rowwise_ws_kernel, args, consts, lambda _, typ: typ == "i32" or typ.startswith("*"),
                             num_warps=4, maxnreg=rw.WS_MAXNREG)
 
 
 @pytest.mark.skipif(not rw.GLUON_AVAILABLE or rw._aggregate is None, reason="this Triton has no Gluon aggregates")
-@pytest.mark.parametrize("dtype,azp_mode", [("int8", 0), ("int8", 2), ("fp8", 0)])
-def test_sm90_build_is_asynchronous_and_does_not_spill(tmp_path, dtype, azp_mode):
+@pytest.mark.parametrize("dtype,azp_mode,pingpong", [("int8", 0, False), ("int8", 2, False), ("fp8", 0, False),
+                                                     ("int8", 2, True), ("fp8", 0, True)])
+def test_sm90_build_is_asynchronous_and_does_not_spill(tmp_path, dtype, azp_mode, pingpong):
     """A guard on the kernel's point: each consumer keeps one K step's pair of wgmma groups in flight (the
-    wait leaves 2 outstanding) and its 64x256 accumulator plus the widest epilogue (per-token zero points,
-    scale_b, bias) fit the consumer's registers."""
-    sass, _ = sm90_sass(tmp_path, "tests.kernels.test_rowwise_wgmma", f"_compile_sm90({dtype!r}, {azp_mode})")
+    wait leaves 2 outstanding) and its 64x256 accumulator (ping-pong: 128x128) plus the widest epilogue
+    (per-token zero points, scale_b, bias) fit the consumer's registers."""
+    block_n = 128 if pingpong else 256
+    sass, _ = sm90_sass(tmp_path, "tests.kernels.test_rowwise_wgmma",
+                        f"_compile_sm90({dtype!r}, {azp_mode}, block_n={block_n}, pingpong={pingpong})")
     mma = re.findall(r"\b[IQ]GMMA\.64x128x32[^;]*", sass)
-    assert len(mma) == 16, len(mma)  # 2 consumers x 2 halves x 4 K slices of 32
+    assert len(mma) == 16, len(mma)  # 2 consumers x 2 halves (ping-pong: 64-row halves) x 4 K slices of 32
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
     assert "0x2" in waits, waits
-    # nothing touches local memory inside the main loops (from the first wgmma to the last), and no more than a
-    # few scalars anywhere (Triton 3.9's build of the per-token zero-point epilogue keeps one word on the stack,
-    # 3.6's none; a spilled accumulator would be dozens of stores)
+    # nothing touches local memory inside the main loops (each loop whose body issues wgmma: one per consumer), and
+    # no more than a few scalars anywhere (Triton 3.9's builds of the per-token zero-point epilogue store one word
+    # on the stack, six in the ping-pong kernel, all outside the loops; 3.6's none; a spilled accumulator would be
+    # dozens of stores)
     lines = sass.splitlines()
-    gmma = [i for i, line in enumerate(lines) if re.search(r"\b[IQ]GMMA\.", line)]
-    assert not any(re.search(r"\b(STL|LDL)\b", line) for line in lines[gmma[0]:gmma[-1]]), "local memory in a main loop"
-    assert len(re.findall(r"\bSTL\b", sass)) <= 4, "the consumers spill"
+    loops = _wgmma_loops(lines)
+    assert len(loops) == 2, loops
+    for start, end in loops:
+        assert not any(re.search(r"\b(STL|LDL)\b", line) for line in lines[start:end + 1]), "local memory in a main loop"
+    assert len(re.findall(r"\bSTL\b", sass)) <= 8, "the consumers spill"
+
+
+def _wgmma_loops(lines):
+    """(first, last) SASS line of each innermost loop whose body issues a wgmma (a backward branch and its target,
+    holding no other such loop): the consumers' K loops. A branch back from an out-of-line block (an mbarrier
+    wait's retry, placed after the function's body) into the middle of a loop is not a loop of its own."""
+    at = {}
+    for i, line in enumerate(lines):
+        found = re.search(r"/\*([0-9a-f]{4})\*/", line)
+        if found:
+            at[int(found.group(1), 16)] = i
+    loops = []
+    for i, line in enumerate(lines):
+        branch = re.search(r"\bBRA (0x[0-9a-f]+)", line)
+        target = at.get(int(branch.group(1), 16)) if branch else None
+        if target is not None and target < i and any(re.search(r"\b[IQ]GMMA\.", t) for t in lines[target:i]):
+            loops.append((target, i))
+    loops = [loop for loop in loops if not any(o[0] < loop[0] <= o[1] < loop[1] for o in loops)]
+    return [inner for inner in loops
+            if not any(other != inner and inner[0] <= other[0] and other[1] <= inner[1] for other in loops)]

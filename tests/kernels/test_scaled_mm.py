@@ -721,7 +721,8 @@ def test_torch_compile_fullgraph(triton_backend):
     (4096, 6144, 256), (4096, 10240, 256),
 ])
 def test_wave_pick_fp8_rows_match_the_sweep(m, n, expect_block_n):
-    fp8_large = kmm._bucket(kmm.CONFIGS["sm90"], m, n)
+    # the tl candidates (what runs where the Gluon kernels do not apply)
+    fp8_large = [c for c in kmm._bucket(kmm.CONFIGS["sm90"], m, n) if isinstance(c, kmm.MMConfig)]
     assert kmm._wave_pick(fp8_large, m, n, 132).block_n == expect_block_n
 
 
@@ -749,9 +750,11 @@ def test_wave_efficiency_and_int8_rows():
     cfg = kmm.MMConfig(128, 256, 128, 8, 3)
     assert kmm.wave_efficiency(1024, 6144, cfg, 132) == pytest.approx(192 / 264)
     assert kmm.wave_efficiency(1024, 4096, cfg, 128) == 1.0
-    # int8 large M has its own choices (the Gluon kernel, then the tl tile); the small-M rows are shared with fp8
-    assert kmm._bucket(kmm.CONFIGS["sm90_int8"], 4096, 4096)[:2] == [
-        kmm.WsConfig(128, 256, 4, 8), kmm.MMConfig(128, 128, 128, 4, 3, tma=True, persistent=2)]
+    # int8 large M has its own choices (the Gluon kernel, cooperative then ping-pong, then the tl tile); the small-M
+    # rows are shared with fp8
+    assert kmm._bucket(kmm.CONFIGS["sm90_int8"], 4096, 4096)[:3] == [
+        kmm.WsConfig(128, 256, 4, 8), kmm.WsConfig(128, 128, 5, 8, pingpong=True),
+        kmm.MMConfig(128, 128, 128, 4, 3, tma=True, persistent=2)]
     for m, n in [(1, 4096), (16, 28672), (64, 4096), (256, 4096)]:
         assert kmm._bucket(kmm.CONFIGS["sm90_int8"], m, n) == kmm._bucket(kmm.CONFIGS["sm90"], m, n)
     assert kmm._table_rows(kmm.CONFIGS, torch.device("cpu"), "int8") is kmm.CONFIGS["default"]

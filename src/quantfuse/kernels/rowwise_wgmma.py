@@ -17,8 +17,9 @@ from the register layout (its exchange would not fit beside four slots).
 Measured (H100, bf16 out + bias, CUDA graphs): with the register-layout store (tune_scaled_mm_ws.json) int8 ran
 1.05-1.16x the `tl` tiles at K = 28672, 1.06-1.10x at K = 14336 and 0.87-0.96x at K = 4096; the 16-byte stores made
 it 1.01-1.22x faster (tune_scaled_mm_ws_store.json), 1.01-1.08x the `tl` tiles at K = 4096 and 8192, so the table
-(scaled_mm.CONFIGS) takes it for int8 from 1024 rows at every K; fp8 through it is mixed against the `tl` tiles
-(0.85-1.08x) and stays there.
+(scaled_mm.CONFIGS) takes it for int8 from 1024 rows at every K, and since tune_scaled_mm_ws_dispatch.json (5
+alternated rounds) for fp8 too, with the ping-pong schedule (WsConfig.pingpong, `_pingpong_consumer`) where its
+128x128 tiles fill the last round better (scaled_mm.ws_units).
 
 Scope (`applies`): sm90 exactly, Gluon with aggregates importable, int8 or fp8 e4m3 operands a [M, K] and b^T
 [N, K] both describable (K-contiguous, 16-byte aligned rows and base). The `tl` kernel is the executable twin
@@ -80,7 +81,7 @@ if GLUON_AVAILABLE and _aggregate is not None:
             self.CONSUMER = gl.constexpr(CONSUMER)
 
     @gluon.jit
-    def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+    def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty, turn, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
                 azp_adj_ptr, azp_ptr, M, N, K, stride_om, cfg):
         """Every K step of every tile of this program, in order, into the slot ring."""
         _fill_tiles(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, cfg.GROUP_M, cfg.STAGES)
@@ -128,7 +129,7 @@ if GLUON_AVAILABLE and _aggregate is not None:
             gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @gluon.jit
-    def _consumer(a_desc, b_desc, a_smem, b_smem, ready, empty, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+    def _consumer(a_desc, b_desc, a_smem, b_smem, ready, empty, turn, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
                   azp_adj_ptr, azp_ptr, M, N, K, stride_om, cfg):
         """Rows CONSUMER * 64 .. + 64 of each of this program's tiles, as two 64x128 accumulators (the left and
         right halves of the tile's columns): Triton 3.6 lowers integer wgmma up to n = 128, so a 256-wide int8
@@ -172,12 +173,63 @@ if GLUON_AVAILABLE and _aggregate is not None:
                       M, N, stride_om, cfg)
 
     @gluon.jit
+    def _pingpong_consumer(a_desc, b_desc, a_smem, b_smem, ready, empty, turn, out_ptr, scale_a_ptr, scale_b_ptr,
+                           bias_ptr, azp_adj_ptr, azp_ptr, M, N, K, stride_om, cfg):
+        """Every other tile of this program (CONSUMER 0 the even ones, 1 the odd ones), whole: 128 x BLOCK_N as
+        two 64-row accumulators. The main loops take turns (CUTLASS's ping-pong schedule): a consumer starts one
+        after the other has issued its whole main loop (the `turn` mbarriers), so each consumer's epilogue runs
+        under the other's main loop, and each consumer waits on a slot's ready barrier at most one phase ahead of
+        its fill (the loader fills the one ring in tile order; each slot is read by one consumer)."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        HALF_M: gl.constexpr = BLOCK_M // 2
+        STAGES: gl.constexpr = cfg.STAGES
+        ACC_DTYPE: gl.constexpr = gl.int32 if a_desc.dtype == gl.int8 else gl.float32
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+        num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        step = gl.num_programs(0)
+        c = cfg.CONSUMER * k_steps  # ring position of this consumer's first tile's first K step
+        j = 0  # this consumer's tile count
+        for tile in range(gl.program_id(0) + cfg.CONSUMER * step, num_tiles, 2 * step):
+            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, cfg.GROUP_M)
+            # my turn: consumer 0's j-th main loop follows consumer 1's (j-1)-th, consumer 1's j-th consumer 0's j-th
+            if cfg.CONSUMER == 0:
+                mbarrier.wait(turn.index(0), (j + 1) & 1, pred=j > 0)
+            else:
+                mbarrier.wait(turn.index(1), j & 1)
+            acc0 = gl.zeros([HALF_M, BLOCK_N], ACC_DTYPE, mma_layout)
+            acc1 = gl.zeros([HALF_M, BLOCK_N], ACC_DTYPE, mma_layout)
+            for ks in range(k_steps):
+                slot = (c + ks) % STAGES
+                mbarrier.wait(ready.index(slot), ((c + ks) // STAGES) & 1)
+                b = b_smem.index(slot).permute((1, 0))
+                acc0 = warpgroup_mma(a_smem.index(slot).slice(0, HALF_M), b, acc0, is_async=True)
+                acc1 = warpgroup_mma(a_smem.index(slot).slice(HALF_M, HALF_M), b, acc1, is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+                mbarrier.arrive(empty.index((c + ks + STAGES - 1) % STAGES), count=1, pred=ks > 0)
+            mbarrier.arrive(turn.index(1 - cfg.CONSUMER), count=1)  # the other consumer's turn
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            mbarrier.arrive(empty.index((c + k_steps - 1) % STAGES), count=1)
+            c += 2 * k_steps
+            j += 1
+
+            row0 = pid_m * BLOCK_M
+            col0 = pid_n * BLOCK_N
+            _epilogue(acc0, row0, col0, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr, out_ptr, M, N,
+                      stride_om, cfg)
+            _epilogue(acc1, row0 + HALF_M, col0, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr, out_ptr,
+                      M, N, stride_om, cfg)
+
+    @gluon.jit
     def _rowwise_ws_kernel(
         a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
         M, N, K, stride_om,
         SCALE_A_PER_ROW: gl.constexpr, SCALE_B_PER_COL: gl.constexpr, HAS_BIAS: gl.constexpr,
         AZP_MODE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
+        num_warps: gl.constexpr, PINGPONG: gl.constexpr = False,
     ):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -187,15 +239,25 @@ if GLUON_AVAILABLE and _aggregate is not None:
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong's turn-taking
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
-        shared = (a_desc, b_desc, a_smem, b_smem, ready, empty, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+            if PINGPONG:
+                mbarrier.init(empty.index(s), count=1)  # each slot is read by one consumer
+            else:
+                mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+        shared = (a_desc, b_desc, a_smem, b_smem, ready, empty, turn, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
                   azp_adj_ptr, azp_ptr, M, N, K, stride_om)
         args0 = shared + (_Flags(SCALE_A_PER_ROW, SCALE_B_PER_COL, HAS_BIAS, AZP_MODE, GROUP_M, STAGES, 0), )
         args1 = shared + (_Flags(SCALE_A_PER_ROW, SCALE_B_PER_COL, HAS_BIAS, AZP_MODE, GROUP_M, STAGES, 1), )
-        gl.warp_specialize([(_loader, args0), (_consumer, args0), (_consumer, args1)], [4, 4],
-                           [CONSUMER_REGS, CONSUMER_REGS])
+        if PINGPONG:
+            gl.warp_specialize([(_loader, args0), (_pingpong_consumer, args0), (_pingpong_consumer, args1)],
+                               [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+        else:
+            gl.warp_specialize([(_loader, args0), (_consumer, args0), (_consumer, args1)], [4, 4],
+                               [CONSUMER_REGS, CONSUMER_REGS])
 
 
 BLOCK_K = 128  # one K step: 16 KiB of A and 32 KiB of B^T per slot at block_n 256
@@ -211,9 +273,11 @@ def scaled_mm_ws(a2d: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scal
     column stride)."""
     cfg = config or WsConfig()
     slot_bytes = (cfg.block_m + cfg.block_n) * BLOCK_K
-    if cfg.block_m != 128 or cfg.block_n not in (128, 256) or not 2 <= cfg.stages <= SMEM_BYTES // slot_bytes:
+    if (cfg.block_m != 128 or cfg.block_n not in ((128,) if cfg.pingpong else (128, 256))
+            or not 2 <= cfg.stages <= SMEM_BYTES // slot_bytes):
         raise ValueError(f"config: the warp-specialized kernel takes block_m 128 (two 64-row consumers), block_n "
-                         f"128 or 256 and 2 to {SMEM_BYTES // slot_bytes} stages of {slot_bytes} bytes, got {cfg}")
+                         f"128 or 256 (ping-pong: 128, a whole tile's accumulators per consumer) and 2 to "
+                         f"{SMEM_BYTES // slot_bytes} stages of {slot_bytes} bytes, got {cfg}")
     m, k = a2d.shape
     n = b.shape[1]
     if out is None:
@@ -231,6 +295,6 @@ def scaled_mm_ws(a2d: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scal
         m, n, k, out.stride(0),
         SCALE_A_PER_ROW=scale_a.numel() > 1, SCALE_B_PER_COL=scale_b.numel() > 1, HAS_BIAS=bias is not None,
         AZP_MODE=azp_mode, GROUP_M=cfg.group_m, STAGES=cfg.stages, CONSUMER_REGS=WS_CONSUMER_REGS, num_warps=4,
-        maxnreg=WS_MAXNREG,
+        PINGPONG=cfg.pingpong, maxnreg=WS_MAXNREG,
     )
     return out

@@ -92,6 +92,9 @@ class WsConfig:
     stages: int = 4
     group_m: int = 8
     tma: bool = True  # needs tensor descriptors (the table filter for non-describable operands)
+    # ping-pong: each consumer warpgroup takes every other tile whole (128 x block_n as two 64-row
+    # accumulators), so one's epilogue runs while the other's main loop keeps the tensor cores busy
+    pingpong: bool = False
 
 
 _BIG = 1 << 62
@@ -153,21 +156,38 @@ _SM90_INT8_LONG_K = [MMConfig(128, 256, 128, 8, 3, tma=True, persistent=1)] + _S
 # six Llama-3 shapes at M = 1024 and 4096, bf16 out + bias, CUDA graphs) it is 1.01-1.22x its former self and
 # 1.01-1.08x the tl tiles at K = 4096 and 8192 (4096x4096x4096 102.3 us vs 108.6, 1024x8192x10240 135.3 vs 143.3,
 # 4096x4096x28672 725 vs 776), so it runs at every K; `_pick_config` takes it where its 128x256 tiles fill one
-# round of the SMs. fp8 through it: 0.85-1.08x the tl tiles, mixed (1024x4096x6144 0.85, 4096x4096x6144 1.08), so
-# fp8 keeps the tl tiles.
-_SM90_INT8_WS = WsConfig(128, 256, 4, 8)
+# round of the SMs. fp8 through it read 0.85-1.08x the tl tiles in that one call (1024x4096x6144 0.85,
+# 4096x4096x6144 1.08) and stayed on them until the A/B below.
+_SM90_WS = WsConfig(128, 256, 4, 8)
+# The ping-pong schedule of that kernel (WsConfig.pingpong: each consumer warpgroup takes every other 128x128 tile
+# whole, so one's epilogue runs under the other's main loop), and fp8 through the Gluon kernels from 1024 rows.
+# Same-run A/B, 5 alternated rounds (results/tune_scaled_mm_ws_dispatch.json; H100, the six Llama-3 shapes at
+# M = 1024 / 2048 / 4096 and 8192^3, bf16 out + bias, CUDA graphs):
+# - fp8, cooperative kernel against the tl tiles: 1.00-1.29x at M >= 2048 on every shape (2048x4096x6144 82.5 us vs
+#   106; 4096x4096x4096 112 vs 118), at M = 1024 1.01-1.07x except 1024x4096x6144 (0.87) and 1024x8192x10240 (0.93);
+#   an earlier call (tune_scaled_mm_ws_dispatch_fp8.json) read the same within 0.05 on every shape.
+# - ping-pong (5 stages) is 1-10% behind the cooperative kernel where both fill their last round alike (it moves
+#   1.7x the bytes into shared memory per product), and ahead where its finer tiles fill the last round better:
+#   1024x4096x6144 int8 39.4 us vs 49.2, fp8 42.4 vs 52.2 (tl 45.6); 1024x8192x10240 int8 122 vs 137, fp8 137 vs
+#   157 (tl 145). `ws_units` models that: the launcher takes ping-pong where its last program's 128x128 tiles are at
+#   most PINGPONG_UNITS of the cooperative kernel's (in 128x128 tile-times; 1024x4096x6144: 3 vs 4, 1024x8192x10240:
+#   5 vs 6; equal on the other shapes above but 4096x4096x28672, 55 vs 56).
+_SM90_WS_PINGPONG = WsConfig(128, 128, 5, 8, pingpong=True)
+_SM90_FP8_LARGE_M = [MMConfig(128, 256, 128, 8, 3, 16, tma=True, persistent=1),
+                     MMConfig(128, 128, 128, 4, 5, tma=True, persistent=2),
+                     MMConfig(128, 256, 128, 8, 3, 16), MMConfig(128, 128, 128, 4, 5), MMConfig(128, 256, 128, 8, 3)]
+PINGPONG_UNITS = 0.9
 CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": _SM90_SMALL_M + [
-        (_BIG, [MMConfig(128, 256, 128, 8, 3, 16, tma=True, persistent=1),
-                MMConfig(128, 128, 128, 4, 5, tma=True, persistent=2),
-                MMConfig(128, 256, 128, 8, 3, 16), MMConfig(128, 128, 128, 4, 5), MMConfig(128, 256, 128, 8, 3)]),
+        (1023, _SM90_FP8_LARGE_M),
+        (_BIG, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_FP8_LARGE_M),
     ],
     # int8 operands: the same small-M rows, their own large-M tile (consulted when the table has this key)
     "sm90_int8": _SM90_SMALL_M + [
         (1023, _SM90_INT8_LARGE_M),
-        (2047, [_SM90_INT8_WS] + _SM90_INT8_LARGE_M),
-        (_BIG, _BIG, 16384, [_SM90_INT8_WS] + _SM90_INT8_LONG_K),
-        (_BIG, [_SM90_INT8_WS] + _SM90_INT8_LARGE_M),
+        (2047, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_INT8_LARGE_M),
+        (_BIG, _BIG, 16384, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_INT8_LONG_K),
+        (_BIG, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_INT8_LARGE_M),
     ],
     "default": [
         (16, [MMConfig(16, 64, 128, 4, 3)]),
@@ -268,7 +288,8 @@ def row_split(m: int, n: int, k: int, element_size: int, cfg, sms: int, arch: st
     rule = ROW_SPLIT.get(arch)
     if rule is None or m <= SPLIT_K_MAX_M:
         return 0
-    per_sm = max(1, cfg.persistent) if isinstance(cfg, MMConfig) else 1  # the Gluon kernels: one program per SM
+    # the Gluon kernels: one program per SM (ping-pong: its two consumers' tiles make a round)
+    per_sm = max(1, cfg.persistent) if isinstance(cfg, MMConfig) else (2 if getattr(cfg, "pingpong", False) else 1)
     round_rows = (sms * per_sm // cdiv(n, cfg.block_n)) * cfg.block_m  # rows whose tiles fill one round
     if round_rows == 0 or m < round_rows:
         return 0
@@ -649,6 +670,22 @@ def _wave_pick(candidates: List[MMConfig], m: int, n: int, sms: int) -> MMConfig
     return next(c for c, e in zip(candidates, eff) if e >= WAVE_TOLERANCE * best)
 
 
+def ws_units(m: int, n: int, cfg: WsConfig, sms: int) -> int:
+    """The persistent Gluon kernel's time in 128x128 tile-times: the busiest program's tiles (one program per SM),
+    block_n / 128 units each (ping-pong's two consumers take turns on the tensor cores: one unit per tile)."""
+    return cdiv(cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), sms) * (cfg.block_n // 128)
+
+
+def _ws_pick(candidates: list, m: int, n: int, sms: int) -> WsConfig:
+    """The first candidate (the cooperative Gluon kernel), or the ping-pong one where its busiest program has at
+    most PINGPONG_UNITS of the work (ws_units)."""
+    first = candidates[0]
+    pingpong = next((c for c in candidates if isinstance(c, WsConfig) and c.pingpong), None)
+    if pingpong is not None and ws_units(m, n, pingpong, sms) <= PINGPONG_UNITS * ws_units(m, n, first, sms):
+        return pingpong
+    return first
+
+
 def _table_rows(table, device: torch.device, flavor: Optional[str]) -> List[Bucket]:
     arch = arch_key(device.type, device.index)
     return table.get(f"{arch}_{flavor}", table[arch]) if flavor else table[arch]
@@ -673,8 +710,9 @@ def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple
             # the persistent Gluon kernel's measured wins include part-full last rounds (1024x8192x10240: 320
             # tiles on 132 SMs, 1.06x); below one round of tiles the tl tiles' finer grid fills the GPU better
             if isinstance(first, WsConfig) and cdiv(m, first.block_m) * cdiv(n, first.block_n) >= WAVE_TOLERANCE * sms:
-                return first
-            return _wave_pick(candidates, m, n, sms)
+                return _ws_pick(candidates, m, n, sms)
+            # ping-pong was measured only where the cooperative kernel fills a round
+            return _wave_pick([c for c in candidates if not (isinstance(c, WsConfig) and c.pingpong)], m, n, sms)
         return candidates[0]
     if key not in _tuned:
         # opt-in: time each candidate once for this exact shape (not inside graph capture)
