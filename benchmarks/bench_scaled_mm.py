@@ -9,7 +9,8 @@ Rows (every time is a CUDA-graph replay median with inputs rotated past L2, see 
   (scaled_mm_accum).
   Ours and these two torch peers alternate in BENCH_ROUNDS rounds (default 3): medians, and each round's ratio's
   range (*_min / *_max). One timing of the same kernel moves by up to ~10% on this machine between calls (the
-  GPU's clocks under a sustained INT8 load), so a single back-to-back pair can misstate the ratio.
+  GPU's clocks under a sustained INT8 load), so a single back-to-back pair can misstate the ratio; every timing
+  starts after BENCH_SETTLE_S (default 0.3 s) idle, so it does not inherit the clocks of the kernel before it.
 - azp: ours with the per-token zero-point epilogue vs ours symmetric at the same shape, timed in alternation
   (AZP_ROUNDS each, medians): a single back-to-back pair read 5-7% apart on shapes where earlier runs read 1-4%.
 - blockwise: our 1x128 / 128x128 block-scaled fp8 vs our rowwise fp8 and vs torch._scaled_mm blockwise
@@ -44,6 +45,7 @@ SUFFIX = os.environ.get("BENCH_SUFFIX", "")
 QUICK = os.environ.get("BENCH_QUICK", "0") == "1"
 AZP_ROUNDS = 3
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+SETTLE_S = float(os.environ.get("BENCH_SETTLE_S", "0.3"))
 
 
 def _q(shape, dtype):
@@ -66,6 +68,10 @@ def make_sets(m, k, n, dtype, extra_bytes=0):
 
 
 def t(fn, sets):
+    # idle first: the GPU's clocks follow the previous kernel's power draw for ~1 s (a timing lasts ~0.1 s), so
+    # without a pause each timing inherits its predecessor's state; the same Gluon kernel read up to 9% slower
+    # right after torch._scaled_mm than after another of ours (tune_scaled_mm_ws_dispatch_rot.json)
+    time.sleep(SETTLE_S)
     return common.time_ms(fn, sets, graph=True, warmup=10 if QUICK else 20, rep=40 if QUICK else 80)
 
 
@@ -255,7 +261,7 @@ def main():
     tuned = {str(k): str(v) for k, v in kmm._tuned.items()}
     notes = (f"copy bandwidth {bw:.0f} GB/s, bf16 matmul {bf16_peak:.0f} TFLOPS measured; peak INT8/FP8 dense "
              f"{PEAK_TOPS} TOPS. int8 vs int_mm+epi and fp8 vs scaled_mm: medians of {ROUNDS} alternated rounds, "
-             "*_min / *_max the range of the per-round ratios. "
+             f"*_min / *_max the range of the per-round ratios; every timing after {SETTLE_S} s idle. "
              f"azp_overhead: median of {AZP_ROUNDS} zero-point timings over the median of the symmetric ones, timed in "
              "alternation (azp_sym_ms). "
              f"torch._scaled_mm blockwise (1x128 x 128x128, no bias: ours adds it) ran on "

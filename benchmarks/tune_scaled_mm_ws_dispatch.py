@@ -8,8 +8,9 @@ Why: tune_scaled_mm_ws_store.json (3 rounds, for the store change only) read the
 tl tiles for fp8 at 4096 rows with K <= 8192 and 0.85-1.0x elsewhere, and issue 3's fp8 line (>= 0.95x
 torch._scaled_mm at M >= 1024) missed on four K = 4096 shapes, where the epilogue is the largest share of a tile.
 
-Per (dtype, M, K, N): TUNE_ROUNDS (default 5) alternated rounds of every contender, medians and each round's ratio
-to the dispatch kept; every candidate's output is compared with the dispatch's (max |diff| / max |dispatch|).
+Per (dtype, M, K, N): TUNE_ROUNDS (default 5) alternated rounds of every contender, each round starting one
+contender later (the order rotates: see the loop), medians and each round's ratio to the dispatch kept; every
+candidate's output is compared with the dispatch's (max |diff| / max |dispatch|).
 Per-token x per-channel scales + bf16 bias, bf16 out, CUDA graphs, inputs rotated past L2. Writes
 tune_scaled_mm_ws_dispatch.json (TUNE_OUT_NAME overrides). TUNE_MS, TUNE_KN, TUNE_DTYPES, TUNE_GROUPS,
 TUNE_PP_STAGES and TUNE_EXTRA=0 (drops 8192^3) narrow it.
@@ -57,7 +58,9 @@ def main():
                 return lambda a, b, sa, sb, bias: kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, bias, None, None,
                                                                 config=cfg)
 
-            contenders = {"dispatch": ours(None)}
+            flavor = None if dtype == "fp8" else "int8"
+            tl_cfg = kmm._pick_config(kmm.CONFIGS, m, n, k, sets[0][0].device, None, None, flavor, True, False)
+            contenders = {"dispatch": ours(None), "tl": ours(tl_cfg)}
             for g in GROUPS:
                 contenders[f"ws g{g}"] = ours(kmm.WsConfig(128, 256, 4, g))
             for st in PP_STAGES:
@@ -78,9 +81,13 @@ def main():
                     continue
                 row[f"{name}_maxdiff"] = (got - ref).abs().max().item() / ref.abs().max().item()
             times = {name: [] for name in contenders}
-            for _ in range(ROUNDS):
-                for name, fn in contenders.items():
-                    times[name].append(time_ms(fn, sets, graph=True, warmup=10, rep=40) * 1e3)
+            names = list(contenders)
+            for r in range(ROUNDS):
+                # each round starts one contender later: a timing follows the previous one's power draw (the clocks
+                # settle over ~1 s, a timing lasts ~50 ms: the same kernel read up to 8% slower right after
+                # torch._scaled_mm), so every contender takes every place in the order once in len(names) rounds
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    times[name].append(time_ms(contenders[name], sets, graph=True, warmup=10, rep=40) * 1e3)
             for name in contenders:
                 row[f"{name}_us"] = round(statistics.median(times[name]), 2)
             for name in contenders:
@@ -96,15 +103,16 @@ def main():
             sets.clear()
             torch.cuda.empty_cache()
 
-    names = [f"ws g{g}" for g in GROUPS] + [f"pp s{st}" for st in PP_STAGES]
+    names = ["tl"] + [f"ws g{g}" for g in GROUPS] + [f"pp s{st}" for st in PP_STAGES]
     columns = ["dtype", "M", "K", "N", "dispatch_us"] + [f"{c}_us" for c in names] + ["peer_us", "dispatch_vs_peer"]
     columns += [f"{c}_vs_peer" for c in names] + [f"{c}_over_dispatch" for c in names]
     columns += [f"{c}_rounds" for c in names] + [f"{c}_maxdiff" for c in names]
     finish(os.environ.get("TUNE_OUT_NAME", "tune_scaled_mm_ws_dispatch"),
            "rowwise scaled_mm at prefill sizes: dispatch vs the Gluon ws kernels (cooperative, ping-pong) (dev)",
            rows, columns,
-           f"H100 A/B, {ROUNDS} alternated rounds per shape (dispatch, ws candidates, the peer), medians. 'dispatch' = "
-           "qf.scaled_mm as shipped (fp8: tl tiles; int8: the cooperative ws kernel where it fills a round of SMs), "
+           f"H100 A/B, {ROUNDS} alternated rounds per shape (dispatch, tl, ws candidates, the peer; each round starts one "
+           "contender later), medians. 'dispatch' = "
+           "qf.scaled_mm as shipped, 'tl' = the tile the table picks without the Gluon kernels, "
            "'ws gG' = WsConfig(128, 256, 4, G) (cooperative: two consumers split each 128x256 tile), 'pp sS' = "
            "WsConfig(128, 128, S, 8, pingpong=True) (each consumer takes every other 128x128 tile whole). Peer: fp8 "
            "torch._scaled_mm (use_fast_accum=True), int8 torch._int_mm + the two-kernel epilogue. *_over_dispatch > 1: "

@@ -329,10 +329,10 @@ def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
 
 
 @needs_ws
-@pytest.mark.parametrize("m,k,n", [(1024, 4096, 6144), (1100, 2048 + 48, 4104)])
+@pytest.mark.parametrize("m,k,n", [(1024, 4096, 6144), (1100, 2048 + 48, 4104), (1024, 8192 + 16, 10240 - 8)])
 def test_rowwise_ws_pingpong_dispatch(monkeypatch, m, k, n):
-    """Where its 128x128 tiles fill the last round better (scaled_mm.ws_units), the ping-pong schedule runs: int8
-    bit for bit the tl twin, fp8 within the bound, both under graph capture."""
+    """Up to K = 4096, and where its 128x128 tiles fill the last round better (scaled_mm.ws_units), the ping-pong
+    schedule runs: int8 bit for bit the tl twin, fp8 within the bound, both under graph capture."""
     spy = KernelSpy(rw._rowwise_ws_kernel)
     monkeypatch.setattr(rw, "_rowwise_ws_kernel", spy)
     sa, sb = _scales(m, n)

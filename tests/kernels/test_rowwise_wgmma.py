@@ -63,13 +63,15 @@ def test_dispatch_rule(sm90, m, k, n, takes_ws):
 
 
 @pytest.mark.parametrize("m,k,n,pingpong", [
-    # the ping-pong schedule where its busiest program has at most 0.9 of the cooperative one's 128x128 tile-times:
-    # 1024x6144: 384 tiles -> 3 per program vs 192 -> 2 x 2; 1024x10240: 640 -> 5 vs 320 -> 3 x 2 (the measured
-    # wins of tune_scaled_mm_ws_dispatch.json)
-    (1024, 4096, 6144, True), (1024, 8192, 10240, True),
-    # equal, or barely fewer (4096x28672: 55 vs 56): the cooperative kernel, ahead there by 1-10%
-    (1024, 4096, 4096, False), (1024, 14336, 4096, False), (1024, 28672, 8192, False), (1024, 4096, 28672, False),
-    (2048, 4096, 6144, False), (4096, 4096, 4096, False), (4096, 4096, 28672, False), (8192, 8192, 8192, False),
+    # up to K = 4096 (tune_scaled_mm_ws_dispatch_rot.json: ahead by 2-15% there)
+    (1024, 4096, 4096, True), (1024, 4096, 28672, True), (2048, 4096, 6144, True), (4096, 4096, 4096, True),
+    (4096, 4096, 28672, True), (4096, 2048, 16384, True), (4096, 3072, 3072, True),
+    # beyond, where its busiest program has at most 0.9 of the cooperative one's 128x128 tile-times: 1024x10240:
+    # 640 tiles -> 5 per program vs 320 -> 3 x 2; 2048x3072: 768 -> 6 vs 384 -> 3 x 2
+    (1024, 8192, 10240, True), (2048, 8192, 3072, True),
+    # equal or barely fewer beyond K = 4096: the cooperative kernel, ahead there by up to 13%
+    (1024, 14336, 4096, False), (1024, 28672, 8192, False), (4096, 28672, 8192, False), (8192, 8192, 8192, False),
+    (4096, 8192, 10240, False), (2048, 8192, 2048, False),
     # fewer tiles than a round of the cooperative kernel: the tl tiles, never ping-pong
     (1024, 4096, 2048, False),
 ])

@@ -160,23 +160,27 @@ _SM90_INT8_LONG_K = [MMConfig(128, 256, 128, 8, 3, tma=True, persistent=1)] + _S
 # 4096x4096x6144 1.08) and stayed on them until the A/B below.
 _SM90_WS = WsConfig(128, 256, 4, 8)
 # The ping-pong schedule of that kernel (WsConfig.pingpong: each consumer warpgroup takes every other 128x128 tile
-# whole, so one's epilogue runs under the other's main loop), and fp8 through the Gluon kernels from 1024 rows.
-# Same-run A/B, 5 alternated rounds (results/tune_scaled_mm_ws_dispatch.json; H100, the six Llama-3 shapes at
-# M = 1024 / 2048 / 4096 and 8192^3, bf16 out + bias, CUDA graphs):
-# - fp8, cooperative kernel against the tl tiles: 1.00-1.29x at M >= 2048 on every shape (2048x4096x6144 82.5 us vs
-#   106; 4096x4096x4096 112 vs 118), at M = 1024 1.01-1.07x except 1024x4096x6144 (0.87) and 1024x8192x10240 (0.93);
-#   an earlier call (tune_scaled_mm_ws_dispatch_fp8.json) read the same within 0.05 on every shape.
-# - ping-pong (5 stages) is 1-10% behind the cooperative kernel where both fill their last round alike (it moves
-#   1.7x the bytes into shared memory per product), and ahead where its finer tiles fill the last round better:
-#   1024x4096x6144 int8 39.4 us vs 49.2, fp8 42.4 vs 52.2 (tl 45.6); 1024x8192x10240 int8 122 vs 137, fp8 137 vs
-#   157 (tl 145). `ws_units` models that: the launcher takes ping-pong where its last program's 128x128 tiles are at
-#   most PINGPONG_UNITS of the cooperative kernel's (in 128x128 tile-times; 1024x4096x6144: 3 vs 4, 1024x8192x10240:
-#   5 vs 6; equal on the other shapes above but 4096x4096x28672, 55 vs 56).
+# whole, so one's epilogue runs under the other's main loop), and fp8 through the Gluon kernels from 1024 rows as
+# int8. H100 A/B, 5 rounds whose order rotates (results/tune_scaled_mm_ws_dispatch_rot.json: the six Llama-3 shapes
+# at M = 1024 / 2048 / 4096 and 8192^3; ..._small_rot.json: the Llama-3.2-1B / 3B shapes; bf16 out + bias, CUDA
+# graphs; kernels compared with each other, not with 'dispatch', which always followed the torch peer and read up
+# to 9% off the same kernel timed elsewhere in the round: the clocks follow the previous kernel's power draw):
+# - fp8, cooperative kernel against the tl tiles: within 3% either way wherever both fill their last round (4096x
+#   28672x8192 1450 us vs 1414, 4096^3 110 vs 113), ahead where 128x256 tiles leave it part-empty only via
+#   ping-pong. Earlier calls that read it 1.00-1.29x the tl tiles (tune_scaled_mm_ws_dispatch.json, ..._fp8.json)
+#   timed the tl tiles first after torch._scaled_mm, each round.
+# - ping-pong (5 stages) leads at K <= 4096 (fp8 4096^3 106.4 us vs 109.7 cooperative / 113.3 tl, 4096x4096x28672
+#   762 vs 812 / 789; int8 4096x4096x28672 693 vs 745 / 759, 4096x2048x16384 199 vs 233 / 231) and where its finer
+#   tiles fill the last round better (1024x4096x6144 fp8 40.8 vs 53.4 / 44.8, int8 38.9 vs 49.1 / 50.8;
+#   1024x8192x10240 fp8 130.8 vs 158.5 / 143.7): `ws_units` models that, ping-pong runs where its busiest program
+#   has at most PINGPONG_UNITS of the cooperative kernel's 128x128 tile-times. At longer K it trails by up to 13%
+#   (fp8 4096x28672x8192 1603 vs 1450; it moves 1.7x the bytes into shared memory per product).
 _SM90_WS_PINGPONG = WsConfig(128, 128, 5, 8, pingpong=True)
 _SM90_FP8_LARGE_M = [MMConfig(128, 256, 128, 8, 3, 16, tma=True, persistent=1),
                      MMConfig(128, 128, 128, 4, 5, tma=True, persistent=2),
                      MMConfig(128, 256, 128, 8, 3, 16), MMConfig(128, 128, 128, 4, 5), MMConfig(128, 256, 128, 8, 3)]
 PINGPONG_UNITS = 0.9
+PINGPONG_MAX_K = 4096
 CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": _SM90_SMALL_M + [
         (1023, _SM90_FP8_LARGE_M),
@@ -274,10 +278,12 @@ SPLIT_K_MAX_M = 256
 # The rowwise decode rate was 1.3e15 until int8 ran the Gluon kernel at K = 4096 / 8192: that rate split 1024 x
 # 10240 x 8192 into 768 + 256 rows, 165 us against 135 us for the one call (the 256-row call ~75 us, about 6.4e14 of
 # products a second: scaled_mm.json and tune_scaled_mm_ws_store.json, stop 56); tails of a few rows stream the
-# weight and do not reach the rate.
+# weight and do not reach the rate. 6e14 still split 2048 rows into 1920 + 128 at 4096 x 6144 and 8192 x 10240, 1.17-
+# 1.30x the time of the one Gluon call, fp8 and int8 (tune_scaled_mm_ws_dispatch_rot.json: 2048x4096x6144 fp8 103.9
+# us vs 81.6, int8 93.4 vs 78.4): the 128-row call took ~25 us, ~2.6e14 a second, hence 2.5e14.
 ROW_SPLIT: Dict[str, Dict[str, object]] = {
     "sm90": dict(ops_per_s=1.3e15, bytes_per_s=2.5e12, fixed_s=8e-6, max_tail_fraction=0.9,
-                 tail_ops_per_s={"rowwise": 6e14, "blockwise": 3e14}),
+                 tail_ops_per_s={"rowwise": 2.5e14, "blockwise": 3e14}),
 }
 
 
@@ -676,12 +682,13 @@ def ws_units(m: int, n: int, cfg: WsConfig, sms: int) -> int:
     return cdiv(cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), sms) * (cfg.block_n // 128)
 
 
-def _ws_pick(candidates: list, m: int, n: int, sms: int) -> WsConfig:
-    """The first candidate (the cooperative Gluon kernel), or the ping-pong one where its busiest program has at
-    most PINGPONG_UNITS of the work (ws_units)."""
+def _ws_pick(candidates: list, m: int, n: int, k: int, sms: int) -> WsConfig:
+    """The first candidate (the cooperative Gluon kernel), or the ping-pong one up to K = PINGPONG_MAX_K and
+    wherever its busiest program has at most PINGPONG_UNITS of the work (ws_units)."""
     first = candidates[0]
     pingpong = next((c for c in candidates if isinstance(c, WsConfig) and c.pingpong), None)
-    if pingpong is not None and ws_units(m, n, pingpong, sms) <= PINGPONG_UNITS * ws_units(m, n, first, sms):
+    if pingpong is not None and (k <= PINGPONG_MAX_K or
+                                 ws_units(m, n, pingpong, sms) <= PINGPONG_UNITS * ws_units(m, n, first, sms)):
         return pingpong
     return first
 
@@ -710,7 +717,7 @@ def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple
             # the persistent Gluon kernel's measured wins include part-full last rounds (1024x8192x10240: 320
             # tiles on 132 SMs, 1.06x); below one round of tiles the tl tiles' finer grid fills the GPU better
             if isinstance(first, WsConfig) and cdiv(m, first.block_m) * cdiv(n, first.block_n) >= WAVE_TOLERANCE * sms:
-                return _ws_pick(candidates, m, n, sms)
+                return _ws_pick(candidates, m, n, k, sms)
             # ping-pong was measured only where the cooperative kernel fills a round
             return _wave_pick([c for c in candidates if not (isinstance(c, WsConfig) and c.pingpong)], m, n, sms)
         return candidates[0]
