@@ -110,8 +110,8 @@ def main():
     finish(os.environ.get("TUNE_OUT_NAME", "tune_scaled_mm_ws_dispatch"),
            "rowwise scaled_mm at prefill sizes: dispatch vs the Gluon ws kernels (cooperative, ping-pong) (dev)",
            rows, columns,
-           f"H100 A/B, {ROUNDS} alternated rounds per shape (dispatch, tl, ws candidates, the peer; each round starts one "
-           "contender later), medians. 'dispatch' = "
+           f"H100 A/B, {ROUNDS} alternated rounds per shape (dispatch, tl, ws candidates, the peer; each round starts "
+           "one contender later), medians. 'dispatch' = "
            "qf.scaled_mm as shipped, 'tl' = the tile the table picks without the Gluon kernels, "
            "'ws gG' = WsConfig(128, 256, 4, G) (cooperative: two consumers split each 128x256 tile), 'pp sS' = "
            "WsConfig(128, 128, S, 8, pingpong=True) (each consumer takes every other 128x128 tile whole). Peer: fp8 "

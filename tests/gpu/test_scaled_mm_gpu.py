@@ -310,12 +310,7 @@ def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
     out = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
     assert len(spy.calls) == 1
     assert torch.equal(out, _tl_twin(a, b, sa, sb, torch.bfloat16, bias))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, out)
+    assert torch.equal(_graph_replayed(lambda: qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)), out)
     short_k = _operands(m, 4096, n, INT8)
     assert torch.equal(qf.scaled_mm(*short_k, sa, sb, torch.bfloat16, bias),
                        _tl_twin(*short_k, sa, sb, torch.bfloat16, bias))
@@ -344,12 +339,7 @@ def test_rowwise_ws_pingpong_dispatch(monkeypatch, m, k, n):
         if dtype == INT8:
             assert torch.equal(out, _tl_twin(a, b, sa, sb, torch.bfloat16, bias))
         assert_within_bound(out, a, b, sa, sb, bias)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, out)
+        assert torch.equal(_graph_replayed(lambda: qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)), out)
 
 
 @needs_ws
@@ -373,10 +363,14 @@ def test_rowwise_ws_padded_rows_and_nonfinite_scales():
 def test_rowwise_ws_config_errors():
     a, b = _operands(128, 128, 256, INT8)
     sa, sb = _scales(128, 256)
+    # 7 slots of 32 KiB fit beside the barriers but not with a 16-bit result's exchange buffers
     for bad in (kmm.WsConfig(64, 256), kmm.WsConfig(128, 256, 5), kmm.WsConfig(128, 192),
-                kmm.WsConfig(128, 256, 3, pingpong=True)):
+                kmm.WsConfig(128, 256, 3, pingpong=True), kmm.WsConfig(128, 128, 7, pingpong=True)):
         with pytest.raises(ValueError, match="block_m 128"):
             kmm.scaled_mm(a, b, sa, sb, torch.bfloat16, None, None, None, config=bad)
+    seven = kmm.scaled_mm(a, b, sa, sb, torch.float32, None, None, None,
+                          config=kmm.WsConfig(128, 128, 7, pingpong=True))
+    assert torch.equal(seven, _tl_twin(a, b, sa, sb, torch.float32, None))  # a float32 result has no exchange
     empty = kmm.scaled_mm(a[:0], b, sa[:0], sb, torch.bfloat16, None, None, None, config=kmm.WsConfig())
     assert empty.shape == (0, 256)
     odd_k = _operands(128, 100, 256, INT8)  # rows of 100 bytes: no tensor descriptor

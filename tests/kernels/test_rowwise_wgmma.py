@@ -142,7 +142,8 @@ def test_sm90_build_is_asynchronous_and_does_not_spill(tmp_path, dtype, azp_mode
     loops = _wgmma_loops(lines)
     assert len(loops) == 2, loops
     for start, end in loops:
-        assert not any(re.search(r"\b(STL|LDL)\b", line) for line in lines[start:end + 1]), "local memory in a main loop"
+        body = lines[start:end + 1]
+        assert not any(re.search(r"\b(STL|LDL)\b", line) for line in body), "local memory in a main loop"
     assert len(re.findall(r"\bSTL\b", sass)) <= 8, "the consumers spill"
 
 

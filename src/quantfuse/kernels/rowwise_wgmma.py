@@ -262,6 +262,9 @@ if GLUON_AVAILABLE and _aggregate is not None:
 
 BLOCK_K = 128  # one K step: 16 KiB of A and 32 KiB of B^T per slot at block_n 256
 SMEM_BYTES = 227 * 1024 - 1024  # sm90's per-block shared memory, less the barriers
+# the two consumers' exchange buffers of a 16-bit epilogue (sm90 builds of Triton 3.6 / 3.9: 8 KiB each; 7 slots of
+# 32 KiB with them need 245,912 bytes, over the 232,448 a block may have)
+EXCHANGE_BYTES = 16 * 1024
 
 
 def scaled_mm_ws(a2d: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -273,11 +276,13 @@ def scaled_mm_ws(a2d: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scal
     column stride)."""
     cfg = config or WsConfig()
     slot_bytes = (cfg.block_m + cfg.block_n) * BLOCK_K
+    # a 16-bit result goes through an exchange buffer per consumer (the compiler's, beside the slots)
+    max_stages = (SMEM_BYTES - (EXCHANGE_BYTES if torch.finfo(out_dtype).bits == 16 else 0)) // slot_bytes
     if (cfg.block_m != 128 or cfg.block_n not in ((128,) if cfg.pingpong else (128, 256))
-            or not 2 <= cfg.stages <= SMEM_BYTES // slot_bytes):
+            or not 2 <= cfg.stages <= max_stages):
         raise ValueError(f"config: the warp-specialized kernel takes block_m 128 (two 64-row consumers), block_n "
                          f"128 or 256 (ping-pong: 128, a whole tile's accumulators per consumer) and 2 to "
-                         f"{SMEM_BYTES // slot_bytes} stages of {slot_bytes} bytes, got {cfg}")
+                         f"{max_stages} stages of {slot_bytes} bytes for {out_dtype} out, got {cfg}")
     m, k = a2d.shape
     n = b.shape[1]
     if out is None:

@@ -683,7 +683,7 @@ def ws_units(m: int, n: int, cfg: WsConfig, sms: int) -> int:
 
 
 def _ws_pick(candidates: list, m: int, n: int, k: int, sms: int) -> WsConfig:
-    """The first candidate (the cooperative Gluon kernel), or the ping-pong one up to K = PINGPONG_MAX_K and
+    """The first candidate (the cooperative Gluon kernel), or the ping-pong one: up to K = PINGPONG_MAX_K, or
     wherever its busiest program has at most PINGPONG_UNITS of the work (ws_units)."""
     first = candidates[0]
     pingpong = next((c for c in candidates if isinstance(c, WsConfig) and c.pingpong), None)
