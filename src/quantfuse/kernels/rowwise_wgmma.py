@@ -17,9 +17,15 @@ from the register layout (its exchange would not fit beside four slots).
 Measured (H100, bf16 out + bias, CUDA graphs): with the register-layout store (tune_scaled_mm_ws.json) int8 ran
 1.05-1.16x the `tl` tiles at K = 28672, 1.06-1.10x at K = 14336 and 0.87-0.96x at K = 4096; the 16-byte stores made
 it 1.01-1.22x faster (tune_scaled_mm_ws_store.json), 1.01-1.08x the `tl` tiles at K = 4096 and 8192, so the table
-(scaled_mm.CONFIGS) takes it for int8 from 1024 rows at every K, and since tune_scaled_mm_ws_dispatch.json (5
-alternated rounds) for fp8 too, with the ping-pong schedule (WsConfig.pingpong, `_pingpong_consumer`) where its
-128x128 tiles fill the last round better (scaled_mm.ws_units).
+(scaled_mm.CONFIGS) takes it for int8 from 1024 rows at every K, and since stop 61 for fp8 too (within 3% of the
+`tl` tiles where both fill their last round: tune_scaled_mm_ws_dispatch_rot.json), in the ping-pong schedule up to
+K = 4096 and where its 128x128 tiles fill the last round better (scaled_mm._ws_pick).
+
+Ping-pong (WsConfig.pingpong, `_pingpong_consumer`): the same loader and ring, but each consumer warpgroup takes every
+other tile of the program whole (128x128 as two 64x128 accumulators) and the two main loops take turns through two
+`turn` mbarriers, so one consumer's epilogue runs under the other's main loop (CUTLASS's ping-pong schedule). It
+moves 1.7x the bytes into shared memory per product (32 KiB per 128x128x128 step against 48 KiB per 128x256x128),
+which costs up to 13% at long K.
 
 Scope (`applies`): sm90 exactly, Gluon with aggregates importable, int8 or fp8 e4m3 operands a [M, K] and b^T
 [N, K] both describable (K-contiguous, 16-byte aligned rows and base). The `tl` kernel is the executable twin

@@ -280,7 +280,8 @@ SPLIT_K_MAX_M = 256
 # products a second: scaled_mm.json and tune_scaled_mm_ws_store.json, stop 56); tails of a few rows stream the
 # weight and do not reach the rate. 6e14 still split 2048 rows into 1920 + 128 at 4096 x 6144 and 8192 x 10240, 1.17-
 # 1.30x the time of the one Gluon call, fp8 and int8 (tune_scaled_mm_ws_dispatch_rot.json: 2048x4096x6144 fp8 103.9
-# us vs 81.6, int8 93.4 vs 78.4): the 128-row call took ~25 us, ~2.6e14 a second, hence 2.5e14.
+# us vs 81.6, int8 93.4 vs 78.4; the 128-row call was not timed alone). At 2.5e14 that tail models as 26 + 8 us,
+# over 0.9 of the 25 us extra round, so those shapes run whole; 16-row tails (1040 rows) still split.
 ROW_SPLIT: Dict[str, Dict[str, object]] = {
     "sm90": dict(ops_per_s=1.3e15, bytes_per_s=2.5e12, fixed_s=8e-6, max_tail_fraction=0.9,
                  tail_ops_per_s={"rowwise": 2.5e14, "blockwise": 3e14}),
