@@ -13,7 +13,8 @@ contender later (the order rotates: see the loop), medians and each round's rati
 candidate's output is compared with the dispatch's (max |diff| / max |dispatch|).
 Per-token x per-channel scales + bf16 bias, bf16 out, CUDA graphs, inputs rotated past L2. Writes
 tune_scaled_mm_ws_dispatch.json (TUNE_OUT_NAME overrides). TUNE_MS, TUNE_KN, TUNE_DTYPES, TUNE_GROUPS,
-TUNE_PP_STAGES and TUNE_EXTRA=0 (drops 8192^3) narrow it.
+TUNE_PP_STAGES, TUNE_PP_GROUPS (ping-pong group_m; 8 alone is named 'pp sS', others 'pp sS gG') and TUNE_EXTRA=0
+(drops 8192^3) narrow it.
 Run: PYTHONPATH=$PWD/src:$PWD python benchmarks/tune_scaled_mm_ws_dispatch.py
 """
 
@@ -35,6 +36,8 @@ MS = tuple(int(v) for v in os.environ.get("TUNE_MS", "1024,2048,4096").split(","
 ROUNDS = int(os.environ.get("TUNE_ROUNDS", "5"))
 GROUPS = tuple(int(v) for v in os.environ.get("TUNE_GROUPS", "8").split(","))
 PP_STAGES = tuple(int(v) for v in os.environ.get("TUNE_PP_STAGES", "4,5,6").split(","))
+PP_GROUPS = tuple(int(v) for v in os.environ.get("TUNE_PP_GROUPS", "8").split(","))
+PP_NAMES = [(st, g, f"pp s{st}" + ("" if g == 8 else f" g{g}")) for st in PP_STAGES for g in PP_GROUPS]
 DTYPES = tuple(os.environ.get("TUNE_DTYPES", "fp8,int8").split(","))
 EXTRA = [(8192, 8192, 8192)] if os.environ.get("TUNE_EXTRA", "1") == "1" else []
 
@@ -63,8 +66,8 @@ def main():
             contenders = {"dispatch": ours(None), "tl": ours(tl_cfg)}
             for g in GROUPS:
                 contenders[f"ws g{g}"] = ours(kmm.WsConfig(128, 256, 4, g))
-            for st in PP_STAGES:
-                contenders[f"pp s{st}"] = ours(kmm.WsConfig(128, 128, st, 8, pingpong=True))
+            for st, g, name in PP_NAMES:
+                contenders[name] = ours(kmm.WsConfig(128, 128, st, g, pingpong=True))
             contenders["peer"] = torch_scaled_mm_rowwise_fast if dtype == "fp8" else torch_int_mm_unfused
 
             ref = contenders["dispatch"](*sets[0]).float()
@@ -103,7 +106,7 @@ def main():
             sets.clear()
             torch.cuda.empty_cache()
 
-    names = ["tl"] + [f"ws g{g}" for g in GROUPS] + [f"pp s{st}" for st in PP_STAGES]
+    names = ["tl"] + [f"ws g{g}" for g in GROUPS] + [name for _, _, name in PP_NAMES]
     columns = ["dtype", "M", "K", "N", "dispatch_us"] + [f"{c}_us" for c in names] + ["peer_us", "dispatch_vs_peer"]
     columns += [f"{c}_vs_peer" for c in names] + [f"{c}_over_dispatch" for c in names]
     columns += [f"{c}_rounds" for c in names] + [f"{c}_maxdiff" for c in names]
