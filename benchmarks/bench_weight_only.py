@@ -1,7 +1,8 @@
 """Weight-only quantized GEMM benchmark (SPEC section 4): W4A16 / W8A16 vs bf16 and tinygemm, one GPU, one run.
 
-Rows (every time is a CUDA-graph replay median with the weights rotated past L2, see common.time_ms; ours and
-bf16 alternate in BENCH_ROUNDS rounds, default 3, and report the median round):
+Rows (every time is a CUDA-graph replay median with the weights rotated past L2, see common.time_ms, taken after
+BENCH_SETTLE_S (default 0.3 s) idle so it does not inherit the clocks of the kernel before it; ours and bf16
+alternate in BENCH_ROUNDS rounds, default 3, and report the median round):
 - W4A16, group 128, symmetric, bf16 activations, on Llama-3-8B/70B linear shapes (K, N) at
   M in {1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096}: ours (quantfuse.weight_only_mm, i.e. whatever path the
   dispatch picks: fused split-K for decode, fused tiled, the Gluon wgmma kernel, or dequantize + cuBLAS), bf16 F.linear
@@ -58,6 +59,7 @@ QUICK = os.environ.get("BENCH_QUICK", "0") == "1"
 # ours and bf16 F.linear alternate this many rounds per row (median of each): back-to-back timings of one kernel
 # drift by up to 10% at M = 4096 on the H100 (power), which a fixed order of single timings turns into a bias
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+SETTLE_S = float(os.environ.get("BENCH_SETTLE_S", "0.3"))
 if QUICK:
     LLAMA_KN = [(4096, 6144), (28672, 8192)]
     W4_M = [1, 16, 128, 1024]
@@ -66,6 +68,9 @@ SUFFIX = os.environ.get("BENCH_SUFFIX", "")
 
 
 def t(fn, sets):
+    # idle first, as bench_scaled_mm: the clocks follow the previous kernel's power draw for ~1 s, so without a pause
+    # ours inherited the state bf16 F.linear left (results/tune_scaled_mm_ws_dispatch_rot.json)
+    time.sleep(SETTLE_S)
     return common.time_ms(fn, sets, graph=True, warmup=10, rep=40 if QUICK else 50)
 
 
@@ -300,7 +305,8 @@ def main():
         tg = f"n/a ({tinygemm_status.get('error', 'not attempted')})"
     table = kw._table(torch.device("cuda"))
     notes = (f"copy bandwidth {bw:.0f} GB/s measured in this run; CUDA graphs, weights rotated past L2; ours_us and "
-             f"bf16_us: medians of {ROUNDS} alternated rounds (the other columns one timing each). "
+             f"bf16_us: medians of {ROUNDS} alternated rounds (the other columns one timing each), every timing after "
+             f"{SETTLE_S} s idle. "
              f"Our scales are {str(SCALE_DTYPE).replace('torch.', '')} [K/128, N] (counted in weight_GBs; "
              f"BENCH_SCALE_DTYPE). cublas_min_m={table['cublas_min_m']}. "
              f"tinygemm (_weight_int4pack_mm, inner_k_tiles={INNER_K_TILES}): {tg}. total {time.time() - start:.0f} s")
