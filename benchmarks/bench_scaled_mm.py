@@ -45,7 +45,6 @@ SUFFIX = os.environ.get("BENCH_SUFFIX", "")
 QUICK = os.environ.get("BENCH_QUICK", "0") == "1"
 AZP_ROUNDS = 3
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
-SETTLE_S = float(os.environ.get("BENCH_SETTLE_S", "0.3"))
 
 
 def _q(shape, dtype):
@@ -68,10 +67,7 @@ def make_sets(m, k, n, dtype, extra_bytes=0):
 
 
 def t(fn, sets):
-    # idle first: the GPU's clocks follow the previous kernel's power draw for ~1 s (a timing lasts ~0.1 s), so
-    # without a pause each timing inherits its predecessor's state; the same Gluon kernel read up to 9% slower
-    # right after torch._scaled_mm than after another of ours (tune_scaled_mm_ws_dispatch_rot.json)
-    time.sleep(SETTLE_S)
+    common.settle()
     return common.time_ms(fn, sets, graph=True, warmup=10 if QUICK else 20, rep=40 if QUICK else 80)
 
 
@@ -261,7 +257,7 @@ def main():
     tuned = {str(k): str(v) for k, v in kmm._tuned.items()}
     notes = (f"copy bandwidth {bw:.0f} GB/s, bf16 matmul {bf16_peak:.0f} TFLOPS measured; peak INT8/FP8 dense "
              f"{PEAK_TOPS} TOPS. int8 vs int_mm+epi and fp8 vs scaled_mm: medians of {ROUNDS} alternated rounds, "
-             f"*_min / *_max the range of the per-round ratios; every timing after {SETTLE_S} s idle. "
+             f"*_min / *_max the range of the per-round ratios; every timing after {common.SETTLE_S} s idle. "
              f"azp_overhead: median of {AZP_ROUNDS} zero-point timings over the median of the symmetric ones, timed in "
              "alternation (azp_sym_ms). "
              f"torch._scaled_mm blockwise (1x128 x 128x128, no bias: ours adds it) ran on "

@@ -59,7 +59,6 @@ QUICK = os.environ.get("BENCH_QUICK", "0") == "1"
 # ours and bf16 F.linear alternate this many rounds per row (median of each): back-to-back timings of one kernel
 # drift by up to 10% at M = 4096 on the H100 (power), which a fixed order of single timings turns into a bias
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
-SETTLE_S = float(os.environ.get("BENCH_SETTLE_S", "0.3"))
 if QUICK:
     LLAMA_KN = [(4096, 6144), (28672, 8192)]
     W4_M = [1, 16, 128, 1024]
@@ -68,9 +67,7 @@ SUFFIX = os.environ.get("BENCH_SUFFIX", "")
 
 
 def t(fn, sets):
-    # idle first, as bench_scaled_mm: the clocks follow the previous kernel's power draw for ~1 s, so without a pause
-    # ours inherited the state bf16 F.linear left (results/tune_scaled_mm_ws_dispatch_rot.json)
-    time.sleep(SETTLE_S)
+    common.settle()
     return common.time_ms(fn, sets, graph=True, warmup=10, rep=40 if QUICK else 50)
 
 
@@ -306,7 +303,7 @@ def main():
     table = kw._table(torch.device("cuda"))
     notes = (f"copy bandwidth {bw:.0f} GB/s measured in this run; CUDA graphs, weights rotated past L2; ours_us and "
              f"bf16_us: medians of {ROUNDS} alternated rounds (the other columns one timing each), every timing after "
-             f"{SETTLE_S} s idle. "
+             f"{common.SETTLE_S} s idle. "
              f"Our scales are {str(SCALE_DTYPE).replace('torch.', '')} [K/128, N] (counted in weight_GBs; "
              f"BENCH_SCALE_DTYPE). cublas_min_m={table['cublas_min_m']}. "
              f"tinygemm (_weight_int4pack_mm, inner_k_tiles={INNER_K_TILES}): {tg}. total {time.time() - start:.0f} s")

@@ -22,6 +22,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 L2_ROTATE_BYTES = 256 * 1024 * 1024  # rotate through at least this many bytes of inputs
+# Idle before a timing (BENCH_SETTLE_S): the GPU's clocks follow the previous kernel's power draw for ~1 s while a
+# timing lasts ~0.1 s, so back to back each timing inherits its predecessor's state (the same Gluon kernel read up
+# to 9% slower right after torch._scaled_mm than after another of ours: results/tune_scaled_mm_ws_dispatch_rot.json)
+SETTLE_S = float(os.environ.get("BENCH_SETTLE_S", "0.3"))
 
 
 # Llama-3.2-1B and -3B linear shapes (K, N): q|k|v, o, gate|up, down of each
@@ -112,6 +116,13 @@ def time_ms(
     for _ in range(n):  # compile everything before timing
         step()
     return triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
+
+
+def settle() -> None:
+    """Idle SETTLE_S seconds (see SETTLE_S) so the next timing starts from the GPU's idle clocks."""
+    import time
+
+    time.sleep(SETTLE_S)
 
 
 def graph_us(fn: Callable, arg_sets: Sequence, warmup: int = 10, rep: int = 50) -> float:
