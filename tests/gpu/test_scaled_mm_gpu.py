@@ -301,7 +301,7 @@ def test_rowwise_ws_fp8_within_bound(cfg, m, k, n):
 @needs_ws
 @pytest.mark.parametrize("m,k,n", [(1024, 14336, 4096), (2048 + 100, 28672, 1024 + 8)])
 def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
-    """int8 and fp8 from 1024 rows take the Gluon kernel by default, at long and short K; M < 1024 does not."""
+    """int8 and fp8 from 1024 rows take the Gluon kernel by default, at long and short K; below, int8 does, fp8 not."""
     spy = KernelSpy(rw._rowwise_ws_kernel)
     monkeypatch.setattr(rw, "_rowwise_ws_kernel", spy)
     a, b = _operands(m, k, n, INT8)
@@ -315,12 +315,34 @@ def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
     assert torch.equal(qf.scaled_mm(*short_k, sa, sb, torch.bfloat16, bias),
                        _tl_twin(*short_k, sa, sb, torch.bfloat16, bias))
     assert len(spy.calls) == 3  # the graph capture and short K (its tiles fill a round of SMs)
-    fewer_rows = _operands(1023, k, n, INT8)[0]
-    qf.scaled_mm(fewer_rows, b, sa[:1023], sb, torch.bfloat16, bias)
-    assert len(spy.calls) == 3
     fp8 = _operands(m, k, n, FP8)
     assert_within_bound(qf.scaled_mm(*fp8, sa, sb, torch.bfloat16, bias), *fp8, sa, sb, bias)
     assert len(spy.calls) == 4 and not spy.calls[3]["PINGPONG"]
+    qf.scaled_mm(fp8[0][:1023], fp8[1], sa[:1023], sb, torch.bfloat16, bias)
+    assert len(spy.calls) == 4
+    qf.scaled_mm(a[:1023], b, sa[:1023], sb, torch.bfloat16, bias)
+    assert len(spy.calls) == 5
+
+
+@needs_ws
+@pytest.mark.parametrize("m,k,n,pingpong", [(257, 4096, 4096, True), (384, 28672, 8192 + 8, False),
+                                            (512, 14336, 4096 - 16, True), (700, 14336, 4096 - 16, False),
+                                            (1000, 8192, 2048, True)])
+def test_rowwise_ws_int8_below_a_round(monkeypatch, m, k, n, pingpong):
+    """int8 from 257 rows takes the Gluon kernel at any round fill (scaled_mm.WS_MIN_ROUND_FILL), ping-pong or
+    cooperative by `_ws_pick`: bit for bit the tl twin, also replayed from a CUDA graph; fp8 runs the tl tiles there."""
+    spy = KernelSpy(rw._rowwise_ws_kernel)
+    monkeypatch.setattr(rw, "_rowwise_ws_kernel", spy)
+    a, b = _operands(m, k, n, INT8)
+    sa, sb = _scales(m, n)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    out = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+    assert len(spy.calls) == 1 and spy.calls[0]["PINGPONG"] == pingpong
+    assert torch.equal(out, _tl_twin(a, b, sa, sb, torch.bfloat16, bias))
+    assert torch.equal(_graph_replayed(lambda: qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)), out)
+    fp8 = _operands(m, k, n, FP8)
+    assert_within_bound(qf.scaled_mm(*fp8, sa, sb, torch.bfloat16, bias), *fp8, sa, sb, bias)
+    assert len(spy.calls) == 2  # the graph capture only
 
 
 @needs_ws

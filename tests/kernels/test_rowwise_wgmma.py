@@ -40,19 +40,22 @@ def sm90(monkeypatch):
     return torch.device("cuda")
 
 
-@pytest.mark.parametrize("m,k,n,takes_ws", [
-    # int8 from 1024 rows at any K, where its 128x256 tiles fill one round of 132 SMs (125.4 at WAVE_TOLERANCE):
-    # the measured wins of tune_scaled_mm_ws.json and tune_scaled_mm_ws_store.json
-    (1024, 14336, 4096, True), (1024, 28672, 8192, True), (4096, 28672, 8192, True), (4096, 14336, 4096, True),
-    (1536, 20480, 8192, True), (4096, 8192, 10240, True), (1024, 4096, 28672, True), (1024, 4096, 4096, True),
-    (1024, 8192, 10240, True), (2048, 4096, 2048, True),
-    # fewer tiles than that, where the last round of the tl tiles is fuller (1024 x 2048: 8 x 8 = 64 tiles, half
-    # a round; 1024 x 1024: a quarter), fewer rows
-    (1024, 4096, 2048, False), (1024, 4096, 1024, False), (1023, 28672, 8192, False), (16, 28672, 8192, False),
+@pytest.mark.parametrize("m,k,n,int8_ws,fp8_ws", [
+    # from 1024 rows at any K, where the cooperative kernel's 128x256 tiles fill one round of 132 SMs (125.4 at
+    # WAVE_TOLERANCE): the measured wins of tune_scaled_mm_ws.json, ..._ws_store.json, ..._ws_dispatch_rot.json
+    (1024, 14336, 4096, True, True), (1024, 28672, 8192, True, True), (4096, 28672, 8192, True, True),
+    (4096, 14336, 4096, True, True), (1536, 20480, 8192, True, True), (4096, 8192, 10240, True, True),
+    (1024, 4096, 28672, True, True), (1024, 4096, 4096, True, True), (1024, 8192, 10240, True, True),
+    (2048, 4096, 2048, True, True),
+    # fewer tiles than that or fewer rows (257..1023): int8 still (tune_scaled_mm_ws_mid_m.json: its tl tile trails
+    # by up to 1.6x there), fp8 the tl tiles (1024 x 2048: 8 x 8 = 64 tiles, half a round; 1024 x 1024 a quarter)
+    (1024, 4096, 2048, True, False), (1024, 4096, 1024, True, False), (1023, 28672, 8192, True, False),
+    (257, 4096, 4096, True, False), (384, 14336, 4096, True, False), (768, 28672, 8192, True, False),
+    # decode sizes: split-K tl tiles for both
+    (256, 4096, 4096, False, False), (16, 28672, 8192, False, False),
 ])
-def test_dispatch_rule(sm90, m, k, n, takes_ws):
-    # int8 and (since tune_scaled_mm_ws_dispatch_rot.json) fp8 alike
-    for flavor in ("int8", None):
+def test_dispatch_rule(sm90, m, k, n, int8_ws, fp8_ws):
+    for flavor, takes_ws in (("int8", int8_ws), (None, fp8_ws)):
         picked = kmm._pick_config(kmm.CONFIGS, m, n, k, sm90, None, None, flavor, True, True)
         assert isinstance(picked, kmm.WsConfig) == takes_ws
         # never where the kernel does not apply (no Gluon, not sm90, operands not describable)
@@ -60,6 +63,13 @@ def test_dispatch_rule(sm90, m, k, n, takes_ws):
                           kmm.MMConfig)
         no_tma = kmm._pick_config(kmm.CONFIGS, m, n, k, sm90, None, None, flavor, False, True)
         assert isinstance(no_tma, kmm.MMConfig) and not no_tma.tma
+
+
+def test_fp8_below_a_round_never_takes_the_cooperative_kernel_by_wave_fill(sm90):
+    # 1024 x 3072: 96 cooperative tiles fill a round as (un)evenly as the tl 128x128 tiles (0.73 each); the tl tile
+    # runs (tune_scaled_mm_ws_dispatch_small_rot.json: 1024x2048x3072 15.9 us vs 16.3, 1024x3072x3072 20.7 vs 21.3)
+    picked = kmm._pick_config(kmm.CONFIGS, 1024, 3072, 2048, sm90, None, None, None, True, True)
+    assert isinstance(picked, kmm.MMConfig)
 
 
 @pytest.mark.parametrize("m,k,n,pingpong", [
@@ -73,8 +83,6 @@ def test_dispatch_rule(sm90, m, k, n, takes_ws):
     # equal or barely fewer beyond K = 4096: the cooperative kernel, ahead there by up to 13%
     (1024, 14336, 4096, False), (1024, 28672, 8192, False), (4096, 28672, 8192, False), (8192, 8192, 8192, False),
     (4096, 8192, 10240, False), (2048, 8192, 2048, False),
-    # fewer tiles than a round of the cooperative kernel: the tl tiles, never ping-pong
-    (1024, 4096, 2048, False),
 ])
 def test_pingpong_rule(sm90, m, k, n, pingpong):
     for flavor in ("int8", None):
@@ -82,6 +90,20 @@ def test_pingpong_rule(sm90, m, k, n, pingpong):
         assert (isinstance(picked, kmm.WsConfig) and picked.pingpong) == pingpong
         if pingpong:
             assert picked == kmm.WsConfig(128, 128, 5, 8, pingpong=True)
+
+
+@pytest.mark.parametrize("m,k,n,pingpong", [
+    # int8 below a round of cooperative tiles, the same rule (tune_scaled_mm_ws_mid_m.json, 5 rotated rounds):
+    # ping-pong up to K = 4096 (384x4096x4096 15.6 us vs cooperative 25.0 / tl 22.6) and where its busiest program
+    # has fewer tile-times (384x14336x4096: 96 tiles, one each, vs 48 x 2: 44.5 vs 71.2 / 71.2; 768x28672x8192 252
+    # vs 292 / 312; 1024x8192x2048 26.0 vs 43.1 / 41.4), else cooperative (384x28672x8192 150 vs 169 / 166)
+    (384, 4096, 4096, True), (512, 14336, 4096, True), (512, 8192, 10240, True), (768, 28672, 8192, True),
+    (1024, 8192, 2048, True), (257, 4096, 28672, True),
+    (384, 28672, 8192, False), (512, 28672, 8192, False), (768, 14336, 4096, False), (768, 8192, 10240, False),
+])
+def test_int8_pingpong_rule_below_a_round(sm90, m, k, n, pingpong):
+    picked = kmm._pick_config(kmm.CONFIGS, m, n, k, sm90, None, None, "int8", True, True)
+    assert isinstance(picked, kmm.WsConfig) and picked.pingpong == pingpong
 
 
 def test_row_split_counts_pingpong_rounds():

@@ -26,10 +26,10 @@ Design:
   tiles, zero fill past M, N and K (`tma_applies`: K-contiguous a and b^T with 16-byte aligned rows; else the
   table's pointer-load candidates run); at large M a persistent grid of one or two programs per SM whose
   flattened tile loop issues the next tile's loads under this tile's epilogue (MMConfig.tma / persistent).
-- sm90 int8 from 1024 rows (a WsConfig in the table, taken where its tiles fill one round of the SMs): the
-  warp-specialized Gluon kernel of rowwise_wgmma.py (a copy-engine loader partition, two consumer warpgroups on
-  128x256 tiles), 1.01-1.08x these tiles at K = 4096 / 8192 and more at longer K; the `tl` kernel stays its twin
-  everywhere else and on the CPU.
+- sm90 (a WsConfig in the table; fp8 from 1024 rows where its tiles fill one round of the SMs, int8 from 257 rows
+  at any fill: WS_MIN_ROUND_FILL): the warp-specialized Gluon kernel of rowwise_wgmma.py (a copy-engine loader
+  partition, two consumer warpgroups on 128x256 tiles, or ping-pong on 128x128 tiles: `_ws_pick`); the `tl` kernel
+  stays its twin everywhere else and on the CPU.
 - Row split (`row_split`, GPU; scaled_mm and scaled_mm_blockwise): an M a few rows past whole rounds of tiles
   (1040 = 1024 + 16 at 14336x4096) runs as two calls into one output, the whole rounds and a decode-sized rest,
   where the model (ROW_SPLIT) says the rest is shorter than the extra, part-filled round of tiles it replaces
@@ -179,8 +179,22 @@ _SM90_WS_PINGPONG = WsConfig(128, 128, 5, 8, pingpong=True)
 _SM90_FP8_LARGE_M = [MMConfig(128, 256, 128, 8, 3, 16, tma=True, persistent=1),
                      MMConfig(128, 128, 128, 4, 5, tma=True, persistent=2),
                      MMConfig(128, 256, 128, 8, 3, 16), MMConfig(128, 128, 128, 4, 5), MMConfig(128, 256, 128, 8, 3)]
+# a candidate whose last wave is at least this fraction as full as the best candidate's counts as full
+WAVE_TOLERANCE = 0.95
 PINGPONG_UNITS = 0.9
 PINGPONG_MAX_K = 4096
+# Below one round of cooperative (128x256) tiles and from 257 rows (H100 A/B, 5 rotated rounds:
+# results/tune_scaled_mm_ws_mid_m.json, the six Llama-3 shapes at M = 384 / 512 / 768; ..._small_rot.json at 1024
+# rows), as a fraction of a round of the SMs from which the Gluon kernels run instead of the tl tiles, per table:
+# - int8: from any fill. The tl int8 tile (128x128, 3 stages) trails there: 384x4096x4096 22.6 us vs 15.6 ping-pong,
+#   512x14336x4096 72.6 vs 45.6, 1024x8192x2048 41.4 vs 26.0, 768x28672x8192 312 vs 252; `_ws_pick` chooses
+#   within 3.5% of the faster Gluon kernel on all 18 mid-M shapes (worst 384x4096x6144: ping-pong 27.2 us,
+#   cooperative 26.3) and is at most 2.7% behind the tl tile where that leads (1024x2048x3072 15.7 vs 15.3).
+# - fp8: a full round only. Below it the tl tiles are as fast: `_ws_pick`'s kernel reads 0.92-1.08x them
+#   (1024x2048x2048 0.92, 384x4096x6144 0.93; 768x4096x28672 1.08). Where the cooperative tiles fill the last round
+#   as (un)evenly as the tl ones (1024x2048x3072: 0.73 each) the tl tile now runs, not the cooperative kernel (15.9
+#   us vs 16.3).
+WS_MIN_ROUND_FILL = {"sm90": WAVE_TOLERANCE, "sm90_int8": 0.0}
 CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": _SM90_SMALL_M + [
         (1023, _SM90_FP8_LARGE_M),
@@ -188,7 +202,6 @@ CONFIGS: Dict[str, List[Bucket]] = {
     ],
     # int8 operands: the same small-M rows, their own large-M tile (consulted when the table has this key)
     "sm90_int8": _SM90_SMALL_M + [
-        (1023, _SM90_INT8_LARGE_M),
         (2047, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_INT8_LARGE_M),
         (_BIG, _BIG, 16384, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_INT8_LONG_K),
         (_BIG, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_INT8_LARGE_M),
@@ -659,10 +672,6 @@ def _autotune_enabled() -> bool:
     return os.environ.get("QUANTFUSE_AUTOTUNE", "0") == "1"
 
 
-# a candidate whose last wave is at least this fraction as full as the best candidate's counts as full
-WAVE_TOLERANCE = 0.95
-
-
 def wave_efficiency(m: int, n: int, cfg: MMConfig, sms: int) -> float:
     """Output tiles / (waves * SMs): 1.0 when the last wave of one-tile-per-SM programs is full."""
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
@@ -694,9 +703,13 @@ def _ws_pick(candidates: list, m: int, n: int, k: int, sms: int) -> WsConfig:
     return first
 
 
-def _table_rows(table, device: torch.device, flavor: Optional[str]) -> List[Bucket]:
+def _table_key(table, device: torch.device, flavor: Optional[str]) -> str:
     arch = arch_key(device.type, device.index)
-    return table.get(f"{arch}_{flavor}", table[arch]) if flavor else table[arch]
+    return f"{arch}_{flavor}" if flavor and f"{arch}_{flavor}" in table else arch
+
+
+def _table_rows(table, device: torch.device, flavor: Optional[str]) -> List[Bucket]:
+    return table[_table_key(table, device, flavor)]
 
 
 def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple, run,
@@ -707,7 +720,8 @@ def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple
     (ws_ok)."""
     if device.type != "cuda":
         return _INTERPRET_CONFIG
-    candidates = _bucket(_table_rows(table, device, flavor), m, n, k)
+    table_key = _table_key(table, device, flavor)
+    candidates = _bucket(table[table_key], m, n, k)
     if not ws_ok:
         candidates = [c for c in candidates if not isinstance(c, WsConfig)]
     if not tma_ok:
@@ -716,11 +730,11 @@ def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple
         if m > SPLIT_K_MAX_M and len(candidates) > 1:
             first, sms = candidates[0], sm_count(device)
             # the persistent Gluon kernel's measured wins include part-full last rounds (1024x8192x10240: 320
-            # tiles on 132 SMs, 1.06x); below one round of tiles the tl tiles' finer grid fills the GPU better
-            if isinstance(first, WsConfig) and cdiv(m, first.block_m) * cdiv(n, first.block_n) >= WAVE_TOLERANCE * sms:
+            # tiles on 132 SMs, 1.06x); below one round of tiles, where WS_MIN_ROUND_FILL says so, the tl tiles
+            fill = WS_MIN_ROUND_FILL.get(table_key, WAVE_TOLERANCE)
+            if isinstance(first, WsConfig) and cdiv(m, first.block_m) * cdiv(n, first.block_n) >= fill * sms:
                 return _ws_pick(candidates, m, n, k, sms)
-            # ping-pong was measured only where the cooperative kernel fills a round
-            return _wave_pick([c for c in candidates if not (isinstance(c, WsConfig) and c.pingpong)], m, n, sms)
+            return _wave_pick([c for c in candidates if not isinstance(c, WsConfig)], m, n, sms)
         return candidates[0]
     if key not in _tuned:
         # opt-in: time each candidate once for this exact shape (not inside graph capture)
