@@ -65,11 +65,13 @@ def test_dispatch_rule(sm90, m, k, n, int8_ws, fp8_ws):
         assert isinstance(no_tma, kmm.MMConfig) and not no_tma.tma
 
 
-def test_fp8_below_a_round_never_takes_the_cooperative_kernel_by_wave_fill(sm90):
-    # 1024 x 3072: 96 cooperative tiles fill a round as (un)evenly as the tl 128x128 tiles (0.73 each); the tl tile
-    # runs (tune_scaled_mm_ws_dispatch_small_rot.json: 1024x2048x3072 15.9 us vs 16.3, 1024x3072x3072 20.7 vs 21.3)
-    picked = kmm._pick_config(kmm.CONFIGS, 1024, 3072, 2048, sm90, None, None, None, True, True)
-    assert isinstance(picked, kmm.MMConfig)
+def test_fp8_below_a_round_keeps_the_wave_rule(sm90):
+    # 1024 x 3072: 96 cooperative tiles fill a round as (un)evenly as the tl 128x128 tiles (0.73 each): the wave rule
+    # takes the first candidate, the cooperative kernel (never ping-pong there), as before WS_MIN_ROUND_FILL
+    assert kmm._pick_config(kmm.CONFIGS, 1024, 3072, 2048, sm90, None, None, None, True, True) == kmm.WsConfig()
+    # 1024 x 2048: 64 cooperative tiles (0.48) against 128 tl tiles (0.97): the tl tile
+    assert isinstance(kmm._pick_config(kmm.CONFIGS, 1024, 2048, 2048, sm90, None, None, None, True, True),
+                      kmm.MMConfig)
 
 
 @pytest.mark.parametrize("m,k,n,pingpong", [

@@ -191,9 +191,9 @@ PINGPONG_MAX_K = 4096
 #   within 3.5% of the faster Gluon kernel on all 18 mid-M shapes (worst 384x4096x6144: ping-pong 27.2 us,
 #   cooperative 26.3) and is at most 2.7% behind the tl tile where that leads (1024x2048x3072 15.7 vs 15.3).
 # - fp8: a full round only. Below it the tl tiles are as fast: `_ws_pick`'s kernel reads 0.92-1.08x them
-#   (1024x2048x2048 0.92, 384x4096x6144 0.93; 768x4096x28672 1.08). Where the cooperative tiles fill the last round
-#   as (un)evenly as the tl ones (1024x2048x3072: 0.73 each) the tl tile now runs, not the cooperative kernel (15.9
-#   us vs 16.3).
+#   (1024x2048x2048 0.92, 384x4096x6144 0.93; 768x4096x28672 1.08). There the wave rule picks as before (from 1024
+#   rows the cooperative kernel where its last round is as full as the tl tiles', e.g. 1024x8192x3072: 47.8 us vs
+#   48.2; 1024x2048x3072 16.3 vs 15.9).
 WS_MIN_ROUND_FILL = {"sm90": WAVE_TOLERANCE, "sm90_int8": 0.0}
 CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": _SM90_SMALL_M + [
@@ -734,7 +734,8 @@ def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple
             fill = WS_MIN_ROUND_FILL.get(table_key, WAVE_TOLERANCE)
             if isinstance(first, WsConfig) and cdiv(m, first.block_m) * cdiv(n, first.block_n) >= fill * sms:
                 return _ws_pick(candidates, m, n, k, sms)
-            return _wave_pick([c for c in candidates if not isinstance(c, WsConfig)], m, n, sms)
+            # (ping-pong was measured only through _ws_pick)
+            return _wave_pick([c for c in candidates if not (isinstance(c, WsConfig) and c.pingpong)], m, n, sms)
         return candidates[0]
     if key not in _tuned:
         # opt-in: time each candidate once for this exact shape (not inside graph capture)
