@@ -365,6 +365,30 @@ def test_rowwise_ws_pingpong_dispatch(monkeypatch, m, k, n):
 
 
 @needs_ws
+@pytest.mark.parametrize("m,k,n,pingpong", [(116, 4096, 4096 + 8, True), (128, 14336, 4096, True),
+                                            (231, 8192 + 16, 10240, False), (256, 4096, 28672 - 8, True)])
+def test_rowwise_ws_batched_decode(monkeypatch, m, k, n, pingpong):
+    """116..128 and 231..256 rows take the Gluon kernels (scaled_mm.WS_MIN_ROW_FILL), int8 and fp8: int8 bit for bit
+    the tl twin, fp8 within the bound, both replayed from a CUDA graph; 192 rows keep the split-K tl tiles."""
+    spy = KernelSpy(rw._rowwise_ws_kernel)
+    monkeypatch.setattr(rw, "_rowwise_ws_kernel", spy)
+    sa, sb = _scales(m, n)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    for dtype in (INT8, FP8):
+        a, b = _operands(m, k, n, dtype)
+        calls = len(spy.calls)
+        out = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+        assert len(spy.calls) == calls + 1 and spy.calls[-1]["PINGPONG"] == pingpong
+        if dtype == INT8:
+            assert torch.equal(out, _tl_twin(a, b, sa, sb, torch.bfloat16, bias))
+        assert_within_bound(out, a, b, sa, sb, bias)
+        assert torch.equal(_graph_replayed(lambda: qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)), out)
+        calls = len(spy.calls)
+        qf.scaled_mm(_operands(192, k, n, dtype)[0], b, _scales(192, n)[0], sb, torch.bfloat16, bias)
+        assert len(spy.calls) == calls
+
+
+@needs_ws
 def test_rowwise_ws_padded_rows_and_nonfinite_scales():
     m, k, n = 700, 2048, 1536
     a_full, b = _operands(m, k + 64, n, INT8)

@@ -51,8 +51,12 @@ def sm90(monkeypatch):
     # by up to 1.6x there), fp8 the tl tiles (1024 x 2048: 8 x 8 = 64 tiles, half a round; 1024 x 1024 a quarter)
     (1024, 4096, 2048, True, False), (1024, 4096, 1024, True, False), (1023, 28672, 8192, True, False),
     (257, 4096, 4096, True, False), (384, 14336, 4096, True, False), (768, 28672, 8192, True, False),
-    # decode sizes: split-K tl tiles for both
-    (256, 4096, 4096, False, False), (16, 28672, 8192, False, False),
+    # decode and batched-decode sizes whose 128-row tiles would be less than WS_MIN_ROW_FILL full: split-K tl tiles
+    (230, 4096, 4096, False, False), (192, 28672, 8192, False, False), (115, 4096, 4096, False, False),
+    (64, 4096, 4096, False, False), (16, 28672, 8192, False, False),
+    # 116..128 and 231..256 rows: the Gluon kernels for both (tune_scaled_mm_ws_small_m.json)
+    (116, 4096, 4096, True, True), (128, 14336, 4096, True, True), (231, 8192, 10240, True, True),
+    (256, 4096, 28672, True, True),
 ])
 def test_dispatch_rule(sm90, m, k, n, int8_ws, fp8_ws):
     for flavor, takes_ws in (("int8", int8_ws), (None, fp8_ws)):
@@ -92,6 +96,19 @@ def test_pingpong_rule(sm90, m, k, n, pingpong):
         assert (isinstance(picked, kmm.WsConfig) and picked.pingpong) == pingpong
         if pingpong:
             assert picked == kmm.WsConfig(128, 128, 5, 8, pingpong=True)
+
+
+@pytest.mark.parametrize("m,k,n,pingpong", [
+    # batched decode, both dtypes (tune_scaled_mm_ws_small_m.json): ping-pong where its busiest program has fewer
+    # tile-times (256x4096x4096: 64 tiles, one each, vs 32 x 2: 15.3 us vs cooperative 25.0, tl 21.0) or as many up to
+    # K = 4096 (256x4096x28672 63.0 vs 65.3 / 81.6), else cooperative (256x8192x10240: 160 tiles -> 2 per program vs
+    # 80 -> 1 x 2; 51.3 vs 57.9 / 63.0)
+    (256, 4096, 4096, True), (256, 4096, 28672, True), (128, 28672, 8192, True), (256, 8192, 10240, False),
+])
+def test_batched_decode_rule(sm90, m, k, n, pingpong):
+    for flavor in ("int8", None):
+        picked = kmm._pick_config(kmm.CONFIGS, m, n, k, sm90, None, None, flavor, True, True)
+        assert isinstance(picked, kmm.WsConfig) and picked.pingpong == pingpong
 
 
 @pytest.mark.parametrize("m,k,n,pingpong", [

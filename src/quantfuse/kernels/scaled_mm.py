@@ -27,9 +27,9 @@ Design:
   table's pointer-load candidates run); at large M a persistent grid of one or two programs per SM whose
   flattened tile loop issues the next tile's loads under this tile's epilogue (MMConfig.tma / persistent).
 - sm90 (a WsConfig in the table; fp8 from 1024 rows where its tiles fill one round of the SMs, int8 from 257 rows
-  at any fill: WS_MIN_ROUND_FILL): the warp-specialized Gluon kernel of rowwise_wgmma.py (a copy-engine loader
-  partition, two consumer warpgroups on 128x256 tiles, or ping-pong on 128x128 tiles: `_ws_pick`); the `tl` kernel
-  stays its twin everywhere else and on the CPU.
+  at any fill: WS_MIN_ROUND_FILL; both at 116..128 and 231..256 rows: WS_MIN_ROW_FILL): the warp-specialized Gluon
+  kernel of rowwise_wgmma.py (a copy-engine loader partition, two consumer warpgroups on 128x256 tiles, or ping-pong
+  on 128x128 tiles: `_ws_pick`); the `tl` kernel stays its twin everywhere else and on the CPU.
 - Row split (`row_split`, GPU; scaled_mm and scaled_mm_blockwise): an M a few rows past whole rounds of tiles
   (1040 = 1024 + 16 at 14336x4096) runs as two calls into one output, the whole rounds and a decode-sized rest,
   where the model (ROW_SPLIT) says the rest is shorter than the extra, part-filled round of tiles it replaces
@@ -121,7 +121,6 @@ _SM90_SMALL_M: List[Bucket] = [
     (16, 16384, [MMConfig(16, 64, 256, 4, 4, tma=True), MMConfig(16, 32, 256, 4, 4)]),
     (16, [MMConfig(16, 128, 256, 4, 4), MMConfig(16, 64, 256, 4, 4)]),
     (64, [MMConfig(64, 64, 256, 4, 4), MMConfig(64, 128, 128, 4, 4), MMConfig(32, 64, 256, 4, 4)]),
-    (256, [MMConfig(64, 128, 128, 4, 4), MMConfig(128, 128, 128, 8, 4), MMConfig(64, 256, 128, 8, 3)]),
 ]
 
 # Large M from benchmarks/tune_scaled_mm_prefill.py (H100, the six Llama-3 (K, N) at M = 1024 and 4096, CUDA
@@ -179,6 +178,16 @@ _SM90_WS_PINGPONG = WsConfig(128, 128, 5, 8, pingpong=True)
 _SM90_FP8_LARGE_M = [MMConfig(128, 256, 128, 8, 3, 16, tma=True, persistent=1),
                      MMConfig(128, 128, 128, 4, 5, tma=True, persistent=2),
                      MMConfig(128, 256, 128, 8, 3, 16), MMConfig(128, 128, 128, 4, 5), MMConfig(128, 256, 128, 8, 3)]
+# 65..256 rows (batched decode): the tl tiles, split over K; the Gluon kernels (`_ws_pick`) where their 128-row tiles
+# are at least WS_MIN_ROW_FILL full (116..128 and 231..256 rows). H100 A/B, 5 rotated rounds
+# (results/tune_scaled_mm_ws_small_m.json, the six Llama-3 shapes at M = 128 / 192 / 256, fp8 and int8): at 256 rows
+# the pick is 1.00-1.37x the tl tile (int8 4096x4096 15.3 us vs 21.0, 4096x28672 63.0 vs 81.6; fp8 4096x6144 17.9
+# vs 18.0); at 128 rows 0.93-1.27x (14336x4096, long K on 32 tiles, is the loss: int8 42.2 vs 39.8, fp8 42.5 vs
+# 39.4); at 192 rows, a half-empty second row of tiles, `_ws_pick`'s kernel reads 0.81-1.26x it, under 1 on 7 of
+# 12: the tl tile's 64-row tiles stay.
+_SM90_BATCH_M: Bucket = (256, [MMConfig(64, 128, 128, 4, 4), MMConfig(128, 128, 128, 8, 4),
+                               MMConfig(64, 256, 128, 8, 3), _SM90_WS, _SM90_WS_PINGPONG])
+WS_MIN_ROW_FILL = 0.9
 # a candidate whose last wave is at least this fraction as full as the best candidate's counts as full
 WAVE_TOLERANCE = 0.95
 PINGPONG_UNITS = 0.9
@@ -197,11 +206,13 @@ PINGPONG_MAX_K = 4096
 WS_MIN_ROUND_FILL = {"sm90": WAVE_TOLERANCE, "sm90_int8": 0.0}
 CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": _SM90_SMALL_M + [
+        _SM90_BATCH_M,
         (1023, _SM90_FP8_LARGE_M),
         (_BIG, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_FP8_LARGE_M),
     ],
     # int8 operands: the same small-M rows, their own large-M tile (consulted when the table has this key)
     "sm90_int8": _SM90_SMALL_M + [
+        _SM90_BATCH_M,
         (2047, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_INT8_LARGE_M),
         (_BIG, _BIG, 16384, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_INT8_LONG_K),
         (_BIG, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_INT8_LARGE_M),
@@ -736,7 +747,10 @@ def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple
                 return _ws_pick(candidates, m, n, k, sms)
             # (ping-pong was measured only through _ws_pick)
             return _wave_pick([c for c in candidates if not (isinstance(c, WsConfig) and c.pingpong)], m, n, sms)
-        return candidates[0]
+        ws = [c for c in candidates if isinstance(c, WsConfig)]
+        if ws and m >= WS_MIN_ROW_FILL * cdiv(m, ws[0].block_m) * ws[0].block_m:
+            return _ws_pick(ws, m, n, k, sm_count(device))
+        return next(c for c in candidates if not isinstance(c, WsConfig))
     if key not in _tuned:
         # opt-in: time each candidate once for this exact shape (not inside graph capture)
         best, best_ms = candidates[0], float("inf")
