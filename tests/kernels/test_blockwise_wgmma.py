@@ -35,6 +35,13 @@ def test_explicit_config_refused_off_sm90():
         kmm.scaled_mm_blockwise(a, b, sa, sb, torch.float32, None, bw.WgmmaConfig(128, 128, 8, 4))
 
 
+def test_rows_the_gluon_kernel_takes():
+    # from 257 rows always; below, 128 rows and 192..256, where its 128-row tiles are at least 3/4 full
+    # (tune_blockwise_ws_small_m.json: 1.02-1.51x the tl tiles at 128 / 192 / 256 rows on 17 of 18 shapes)
+    assert [m for m in range(1, 257) if bw.takes_m(m)] == [128] + list(range(192, 257))
+    assert all(bw.takes_m(m) for m in (257, 300, 1000, 4096))
+
+
 def test_table_shape():
     for _, cands in bw.WGMMA_CONFIGS["sm90"]:
         for cfg in cands:
