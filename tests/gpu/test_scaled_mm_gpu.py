@@ -481,14 +481,14 @@ def test_blockwise_wgmma_default(monkeypatch, m, k, n, transposed_scales):
 
 
 @needs_wgmma
-@pytest.mark.parametrize("m,k,n", [(128, 4096, 6144), (192, 14336, 4096 + 16), (253, 3424, 1000)])
+@pytest.mark.parametrize("m,k,n", [(100, 8192, 10240), (128, 4096, 6144), (192, 14336, 4096 + 16), (253, 3424, 1000)])
 def test_blockwise_wgmma_batched_decode(monkeypatch, m, k, n):
-    """128 and 192..256 rows take the Gluon kernel by default (blockwise_wgmma.takes_m), within the bound, also
-    replayed from a CUDA graph; 127 and 160 rows keep the tl tiles."""
+    """96..128 and 192..256 rows take the Gluon kernel by default (blockwise_wgmma.takes_m), within the bound, also
+    replayed from a CUDA graph; 95 and 160 rows keep the tl tiles."""
     a, b, sa, sb, bias, out32, want = _default_blockwise_checked(monkeypatch, m, k, n, False)
     assert torch.equal(_graph_replayed(lambda: qf.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)), out32)
     spy = _spy_wgmma(monkeypatch)
-    for rows in (r for r in (127, 160) if r < m):
+    for rows in (r for r in (95, 160) if r < m):
         qf.scaled_mm_blockwise(a[:rows], b, sa[:rows], sb, torch.bfloat16, bias)
     assert len(spy.calls) == 0
 

@@ -93,20 +93,20 @@ WGMMA_CONFIGS: Dict[str, List[Tuple[int, List[WgmmaConfig]]]] = {
                      WgmmaConfig(128, 128, 8, 3)])],
 }
 
-# Rows from which this kernel runs: from MIN_M always; from BATCH_MIN_M where its 128-row tiles are at least
-# BATCH_MIN_ROW_FILL full (128 and 192..256 rows); elsewhere the `tl` kernel's decode / split-K tiles
-# (scaled_mm.BLOCKWISE_CONFIGS). H100, the six Llama-3 shapes, CUDA graphs, bf16 out + bias
-# (results/tune_blockwise_ws_small_m.json; one timing each, the tl tile right before this kernel): 1.40-1.63x the tl
-# tiles at 384 and 512 rows, 1.34-1.51x at 256, 0.90-1.40x at 192 (behind at 8192x10240 only, 69.3 us vs 62.5),
-# 1.02-1.40x at 128 (14336x4096 53.3 vs 54.1). Below 128 rows not measured.
+# Rows from which this kernel runs: from MIN_M always; below, where its 128-row tiles are at least
+# BATCH_MIN_ROW_FILL full (96..128 and 192..256 rows); elsewhere the `tl` kernel's decode / split-K tiles
+# (scaled_mm.BLOCKWISE_CONFIGS). H100, the six Llama-3 shapes, CUDA graphs, bf16 out + bias, one timing each with
+# the tl tile right before this kernel (results/tune_blockwise_ws_small_m.json, ..._below_128.json): against the
+# tl tiles 1.40-1.63x at 384 and 512 rows, 1.34-1.51x at 256, 0.90-1.40x at 192 (behind at 8192x10240 only, 69.3 us
+# vs 62.5), 1.02-1.40x at 128, 0.99-1.38x at 96; at 160 rows (tiles 5/8 full) 0.84-1.34x and at 64 (half full)
+# 0.69-1.27x: the tl tiles stay there.
 MIN_M = 257
-BATCH_MIN_M = 128
 BATCH_MIN_ROW_FILL = 0.75
 
 
 def takes_m(m: int) -> bool:
     """Whether the default dispatch runs this kernel at m rows (see MIN_M)."""
-    return m >= MIN_M or (m >= BATCH_MIN_M and m >= BATCH_MIN_ROW_FILL * -(-m // 128) * 128)
+    return m >= MIN_M or m >= BATCH_MIN_ROW_FILL * -(-m // 128) * 128
 
 
 def pick_config(m: int, n: int, device: torch.device) -> WgmmaConfig:
