@@ -12,7 +12,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, print_table, rotation_count, time_ms, write_result  # noqa: E402
+import common  # noqa: E402
+from common import copy_bandwidth_gbs, print_table, rotation_count, settle, time_ms, write_result  # noqa: E402
 
 import quantfuse as qf  # noqa: E402
 from quantfuse import reference as ref  # noqa: E402
@@ -64,11 +65,14 @@ def main() -> None:
         graph = True  # as a serving engine runs it; the peer is timed the same way
         for name, (ours, peer, scale_bytes) in cases().items():
             total = bytes_in + m * k + scale_bytes(m, k)
+            settle()  # each timing from idle clocks, as bench_scaled_mm (common.SETTLE_S)
             t_ours = time_ms(ours, inputs, graph=graph)
             # a fresh, static-shape compile per shape: the case lambdas share one code object, so without the reset
             # dynamo recompiled the second shape with M dynamic and the third reused that graph (a review, stop 60)
             torch._dynamo.reset()
             compiled = torch.compile(peer, dynamic=False)
+            compiled(*inputs[0])  # compiled before the pause
+            settle()
             t_comp = time_ms(compiled, inputs, graph=graph)
             gbs = total / (t_ours * 1e-3) / 1e9
             rows.append(
@@ -91,7 +95,8 @@ def main() -> None:
         "Activation quantization (bf16 input) vs copy bandwidth and torch.compile of the reference",
         rows,
         notes=f"Copy bandwidth measured in the same run: {copy_gbs:.0f} GB/s (bytes read + written). "
-        "All timed under CUDA graphs (ours and torch.compile alike), inputs rotated past L2.",
+        "All timed under CUDA graphs (ours and torch.compile alike), inputs rotated past L2, each timing after "
+        f"{common.SETTLE_S} s idle.",
         extra={"copy_bandwidth_gbs": round(copy_gbs, 1)},
     )
 

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import copy_bandwidth_gbs, print_table, rotation_count, time_ms, write_result  # noqa: E402
+import common  # noqa: E402
+from common import copy_bandwidth_gbs, print_table, rotation_count, settle, time_ms, write_result  # noqa: E402
 
 import quantfuse as qf  # noqa: E402
 from quantfuse import reference as ref  # noqa: E402
@@ -101,11 +102,15 @@ def bench_row(mode, t, h, copy_gbs):
     nbytes = bytes_moved(t, h, group)
     inputs = [(torch.randn(t, 2 * h, device="cuda", dtype=IN_DTYPE).mul_(3.0),) for _ in range(rotation_count(nbytes))]
 
+    settle()  # each timing from idle clocks, as bench_scaled_mm (common.SETTLE_S)
     t_ours = time_ms(ours, inputs, graph=True)
     # a fresh compile per shape: static shapes, and no recompile limit or automatic dynamic shapes
     torch._dynamo.reset()
     compiled = torch.compile(reference, dynamic=False)
+    compiled(*inputs[0])  # compiled before the pause
+    settle()
     t_comp = time_ms(compiled, inputs, graph=True)
+    settle()
     t_eager = time_ms(eager, inputs, graph=True)
     del inputs, compiled
 
@@ -163,7 +168,8 @@ def main() -> None:
         "GB/s counts x read once (T*2H*2 B) + q written once (T*H B) + float32 scales, over our time. "
         "compile = torch.compile(reference.silu_and_mul_quant), static shapes, one compile per shape; "
         "eager = F.silu(gate) * up in bf16, then quantfuse.quantize_per_group / quantize_per_token. "
-        "All three timed under CUDA graphs (launch overhead excluded), inputs rotated past L2. "
+        "All three timed under CUDA graphs (launch overhead excluded), inputs rotated past L2, each timing after "
+        f"{common.SETTLE_S} s idle. "
         "Modes: fp8/int8 per group of 128 (_T: transposed scales), fp8 per token. "
         "speedup_* = peer time / our time. max_possible_vs_compile = compile time / the time of a one-program "
         f"kernel doing one dependent load and store under the same graph timing ({floor_us:.2f} us): the ceiling "
