@@ -298,10 +298,9 @@ def test_rowwise_ws_fp8_within_bound(cfg, m, k, n):
                             bias)
 
 
-@needs_ws
-@pytest.mark.parametrize("m,k,n", [(1024, 14336, 4096), (2048 + 100, 28672, 1024 + 8)])
-def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
-    """int8 and fp8 from 1024 rows take the Gluon kernel by default, at long and short K; below, int8 does, fp8 not."""
+def _int8_default_through_ws(monkeypatch, m, k, n):
+    """qf.scaled_mm as dispatched on int8 operands, bf16 out + bias: one launch of the Gluon kernel, bit for bit the
+    tl twin, also replayed from a CUDA graph. Returns (spy, a, b, scale_a, scale_b, bias)."""
     spy = KernelSpy(rw._rowwise_ws_kernel)
     monkeypatch.setattr(rw, "_rowwise_ws_kernel", spy)
     a, b = _operands(m, k, n, INT8)
@@ -311,6 +310,14 @@ def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
     assert len(spy.calls) == 1
     assert torch.equal(out, _tl_twin(a, b, sa, sb, torch.bfloat16, bias))
     assert torch.equal(_graph_replayed(lambda: qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)), out)
+    return spy, a, b, sa, sb, bias
+
+
+@needs_ws
+@pytest.mark.parametrize("m,k,n", [(1024, 14336, 4096), (2048 + 100, 28672, 1024 + 8)])
+def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
+    """int8 and fp8 from 1024 rows take the Gluon kernel by default, at long and short K; below, int8 does, fp8 not."""
+    spy, a, b, sa, sb, bias = _int8_default_through_ws(monkeypatch, m, k, n)
     short_k = _operands(m, 4096, n, INT8)
     assert torch.equal(qf.scaled_mm(*short_k, sa, sb, torch.bfloat16, bias),
                        _tl_twin(*short_k, sa, sb, torch.bfloat16, bias))
@@ -331,61 +338,54 @@ def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
 def test_rowwise_ws_int8_below_a_round(monkeypatch, m, k, n, pingpong):
     """int8 from 257 rows takes the Gluon kernel at any round fill (scaled_mm.WS_MIN_ROUND_FILL), ping-pong or
     cooperative by `_ws_pick`: bit for bit the tl twin, also replayed from a CUDA graph; fp8 runs the tl tiles there."""
-    spy = KernelSpy(rw._rowwise_ws_kernel)
-    monkeypatch.setattr(rw, "_rowwise_ws_kernel", spy)
-    a, b = _operands(m, k, n, INT8)
-    sa, sb = _scales(m, n)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    out = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
-    assert len(spy.calls) == 1 and spy.calls[0]["PINGPONG"] == pingpong
-    assert torch.equal(out, _tl_twin(a, b, sa, sb, torch.bfloat16, bias))
-    assert torch.equal(_graph_replayed(lambda: qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)), out)
+    spy, a, b, sa, sb, bias = _int8_default_through_ws(monkeypatch, m, k, n)
+    assert spy.calls[0]["PINGPONG"] == pingpong
     fp8 = _operands(m, k, n, FP8)
     assert_within_bound(qf.scaled_mm(*fp8, sa, sb, torch.bfloat16, bias), *fp8, sa, sb, bias)
     assert len(spy.calls) == 2  # the graph capture only
+
+
+def _both_dtypes_through_ws(monkeypatch, m, k, n, pingpong):
+    """qf.scaled_mm as dispatched, int8 then fp8, bf16 out + bias: one launch of the Gluon kernel each, in the
+    schedule `pingpong` names (5 stages; cooperative: 4), int8 bit for bit the tl twin, both within the bound and
+    replayed from a CUDA graph. Returns the kernel spy."""
+    spy = KernelSpy(rw._rowwise_ws_kernel)
+    monkeypatch.setattr(rw, "_rowwise_ws_kernel", spy)
+    sa, sb = _scales(m, n)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    for dtype in (INT8, FP8):
+        a, b = _operands(m, k, n, dtype)
+        calls = len(spy.calls)
+        out = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
+        assert len(spy.calls) == calls + 1
+        assert spy.calls[-1]["PINGPONG"] == pingpong and spy.calls[-1]["STAGES"] == (5 if pingpong else 4)
+        if dtype == INT8:
+            assert torch.equal(out, _tl_twin(a, b, sa, sb, torch.bfloat16, bias))
+        assert_within_bound(out, a, b, sa, sb, bias)
+        assert torch.equal(_graph_replayed(lambda: qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)), out)
+    return spy
 
 
 @needs_ws
 @pytest.mark.parametrize("m,k,n", [(1024, 4096, 6144), (1100, 2048 + 48, 4104), (1024, 8192 + 16, 10240 - 8)])
 def test_rowwise_ws_pingpong_dispatch(monkeypatch, m, k, n):
     """Up to K = 4096, and where its 128x128 tiles fill the last round better (scaled_mm.ws_units), the ping-pong
-    schedule runs: int8 bit for bit the tl twin, fp8 within the bound, both under graph capture."""
-    spy = KernelSpy(rw._rowwise_ws_kernel)
-    monkeypatch.setattr(rw, "_rowwise_ws_kernel", spy)
-    sa, sb = _scales(m, n)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    for dtype in (INT8, FP8):
-        a, b = _operands(m, k, n, dtype)
-        out = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
-        assert spy.calls[-1]["PINGPONG"] and spy.calls[-1]["STAGES"] == 5
-        if dtype == INT8:
-            assert torch.equal(out, _tl_twin(a, b, sa, sb, torch.bfloat16, bias))
-        assert_within_bound(out, a, b, sa, sb, bias)
-        assert torch.equal(_graph_replayed(lambda: qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)), out)
+    schedule runs."""
+    _both_dtypes_through_ws(monkeypatch, m, k, n, True)
 
 
 @needs_ws
 @pytest.mark.parametrize("m,k,n,pingpong", [(116, 4096, 4096 + 8, True), (128, 14336, 4096, True),
                                             (231, 8192 + 16, 10240, False), (256, 4096, 28672 - 8, True)])
 def test_rowwise_ws_batched_decode(monkeypatch, m, k, n, pingpong):
-    """116..128 and 231..256 rows take the Gluon kernels (scaled_mm.WS_MIN_ROW_FILL), int8 and fp8: int8 bit for bit
-    the tl twin, fp8 within the bound, both replayed from a CUDA graph; 192 rows keep the split-K tl tiles."""
-    spy = KernelSpy(rw._rowwise_ws_kernel)
-    monkeypatch.setattr(rw, "_rowwise_ws_kernel", spy)
-    sa, sb = _scales(m, n)
-    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    """116..128 and 231..256 rows take the Gluon kernels (scaled_mm.WS_MIN_ROW_FILL), int8 and fp8; 192 rows keep
+    the split-K tl tiles."""
+    spy = _both_dtypes_through_ws(monkeypatch, m, k, n, pingpong)
+    calls = len(spy.calls)
     for dtype in (INT8, FP8):
-        a, b = _operands(m, k, n, dtype)
-        calls = len(spy.calls)
-        out = qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)
-        assert len(spy.calls) == calls + 1 and spy.calls[-1]["PINGPONG"] == pingpong
-        if dtype == INT8:
-            assert torch.equal(out, _tl_twin(a, b, sa, sb, torch.bfloat16, bias))
-        assert_within_bound(out, a, b, sa, sb, bias)
-        assert torch.equal(_graph_replayed(lambda: qf.scaled_mm(a, b, sa, sb, torch.bfloat16, bias)), out)
-        calls = len(spy.calls)
-        qf.scaled_mm(_operands(192, k, n, dtype)[0], b, _scales(192, n)[0], sb, torch.bfloat16, bias)
-        assert len(spy.calls) == calls
+        a, b = _operands(192, k, n, dtype)
+        qf.scaled_mm(a, b, *_scales(192, n), torch.bfloat16, None)
+    assert len(spy.calls) == calls
 
 
 @needs_ws
