@@ -314,21 +314,20 @@ def _int8_default_through_ws(monkeypatch, m, k, n):
 
 
 @needs_ws
-@pytest.mark.parametrize("m,k,n", [(1024, 14336, 4096), (2048 + 100, 28672, 1024 + 8)])
-def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
-    """int8 and fp8 from 1024 rows take the Gluon kernel by default, at long and short K; below, int8 does, fp8 not."""
+@pytest.mark.parametrize("m,k,n,fp8_ws", [(1024, 14336, 4096, True), (2048 + 100, 28672, 1024 + 8, False)])
+def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n, fp8_ws):
+    """int8 takes the Gluon kernel by default at long and short K, also below 1024 rows; fp8 where its cooperative
+    tiles fill a round of the SMs (1024 x 4096: 8 x 16 = 128 tiles; 2148 x 1032: 17 x 5 = 85, the tl tiles)."""
     spy, a, b, sa, sb, bias = _int8_default_through_ws(monkeypatch, m, k, n)
     short_k = _operands(m, 4096, n, INT8)
     assert torch.equal(qf.scaled_mm(*short_k, sa, sb, torch.bfloat16, bias),
                        _tl_twin(*short_k, sa, sb, torch.bfloat16, bias))
-    assert len(spy.calls) == 3  # the graph capture and short K (its tiles fill a round of SMs)
+    assert len(spy.calls) == 3  # the graph capture and short K
     fp8 = _operands(m, k, n, FP8)
     assert_within_bound(qf.scaled_mm(*fp8, sa, sb, torch.bfloat16, bias), *fp8, sa, sb, bias)
-    assert len(spy.calls) == 4 and not spy.calls[3]["PINGPONG"]
-    qf.scaled_mm(fp8[0][:1023], fp8[1], sa[:1023], sb, torch.bfloat16, bias)
-    assert len(spy.calls) == 4
+    assert len(spy.calls) == 3 + fp8_ws and not spy.calls[-1]["PINGPONG"]
     qf.scaled_mm(a[:1023], b, sa[:1023], sb, torch.bfloat16, bias)
-    assert len(spy.calls) == 5
+    assert len(spy.calls) == 4 + fp8_ws
 
 
 @needs_ws
@@ -337,7 +336,8 @@ def test_rowwise_ws_default_dispatch_long_k(monkeypatch, m, k, n):
                                             (1000, 8192, 2048, True)])
 def test_rowwise_ws_int8_below_a_round(monkeypatch, m, k, n, pingpong):
     """int8 from 257 rows takes the Gluon kernel at any round fill (scaled_mm.WS_MIN_ROUND_FILL), ping-pong or
-    cooperative by `_ws_pick`: bit for bit the tl twin, also replayed from a CUDA graph; fp8 runs the tl tiles there."""
+    cooperative by `_ws_pick`: bit for bit the tl twin, also replayed from a CUDA graph; fp8 runs the tl tiles there
+    (its cooperative tiles fill less than a round: 3 x 16, 3 x 33, 4 x 16, 6 x 16 and 8 x 8)."""
     spy, a, b, sa, sb, bias = _int8_default_through_ws(monkeypatch, m, k, n)
     assert spy.calls[0]["PINGPONG"] == pingpong
     fp8 = _operands(m, k, n, FP8)

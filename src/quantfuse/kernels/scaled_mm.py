@@ -26,8 +26,8 @@ Design:
   tiles, zero fill past M, N and K (`tma_applies`: K-contiguous a and b^T with 16-byte aligned rows; else the
   table's pointer-load candidates run); at large M a persistent grid of one or two programs per SM whose
   flattened tile loop issues the next tile's loads under this tile's epilogue (MMConfig.tma / persistent).
-- sm90 (a WsConfig in the table; fp8 from 1024 rows where its tiles fill one round of the SMs, int8 from 257 rows
-  at any fill: WS_MIN_ROUND_FILL; both at 116..128 and 231..256 rows: WS_MIN_ROW_FILL): the warp-specialized Gluon
+- sm90 (a WsConfig in the table; from 257 rows, fp8 where its tiles fill one round of the SMs, int8 at any fill:
+  WS_MIN_ROUND_FILL; both at 116..128 and 231..256 rows: WS_MIN_ROW_FILL): the warp-specialized Gluon
   kernel of rowwise_wgmma.py (a copy-engine loader partition, two consumer warpgroups on 128x256 tiles, or ping-pong
   on 128x128 tiles: `_ws_pick`); the `tl` kernel stays its twin everywhere else and on the CPU.
 - Row split (`row_split`, GPU; scaled_mm and scaled_mm_blockwise): an M a few rows past whole rounds of tiles
@@ -199,15 +199,16 @@ PINGPONG_MAX_K = 4096
 #   512x14336x4096 72.6 vs 45.6, 1024x8192x2048 41.4 vs 26.0, 768x28672x8192 312 vs 252; `_ws_pick` chooses
 #   within 3.5% of the faster Gluon kernel on all 18 mid-M shapes (worst 384x4096x6144: ping-pong 27.2 us,
 #   cooperative 26.3) and is at most 2.7% behind the tl tile where that leads (1024x2048x3072 15.7 vs 15.3).
-# - fp8: a full round only. Below it the tl tiles are as fast: `_ws_pick`'s kernel reads 0.92-1.08x them
-#   (1024x2048x2048 0.92, 384x4096x6144 0.93; 768x4096x28672 1.08). There the wave rule picks as before (from 1024
-#   rows the cooperative kernel where its last round is as full as the tl tiles', e.g. 1024x8192x3072: 47.8 us vs
-#   48.2; 1024x2048x3072 16.3 vs 15.9).
+# - fp8: from a full round (as from 1024 rows), also from 257 rows: there `_ws_pick`'s kernel reads 0.985-1.08x the
+#   tl tiles, over 1.01 on 7 of 8 shapes (768x4096x28672 1.08, 768x4096x6144 1.08, 512x4096x28672 1.05; 512x28672x8192
+#   0.985). Below a round it reads 0.92-1.03x them (1024x2048x2048 0.92, 384x4096x6144 0.93): the tl tiles by the wave
+#   rule. The cooperative kernel
+#   no longer enters the wave rule where its last round ties with the tl tiles': the tl tile led in 7 of those 9
+#   measured cases by 1-3% (1024x2048x3072 15.9 us vs 16.3, 768x4096x4096 25.7 vs 26.4; 1024x8192x3072 48.2 vs 47.8).
 WS_MIN_ROUND_FILL = {"sm90": WAVE_TOLERANCE, "sm90_int8": 0.0}
 CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": _SM90_SMALL_M + [
         _SM90_BATCH_M,
-        (1023, _SM90_FP8_LARGE_M),
         (_BIG, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_FP8_LARGE_M),
     ],
     # int8 operands: the same small-M rows, their own large-M tile (consulted when the table has this key)
@@ -745,8 +746,7 @@ def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple
             fill = WS_MIN_ROUND_FILL.get(table_key, WAVE_TOLERANCE)
             if isinstance(first, WsConfig) and cdiv(m, first.block_m) * cdiv(n, first.block_n) >= fill * sms:
                 return _ws_pick(candidates, m, n, k, sms)
-            # (ping-pong was measured only through _ws_pick)
-            return _wave_pick([c for c in candidates if not (isinstance(c, WsConfig) and c.pingpong)], m, n, sms)
+            return _wave_pick([c for c in candidates if not isinstance(c, WsConfig)], m, n, sms)
         ws = [c for c in candidates if isinstance(c, WsConfig)]
         if ws and m >= WS_MIN_ROW_FILL * cdiv(m, ws[0].block_m) * ws[0].block_m:
             return _ws_pick(ws, m, n, k, sm_count(device))
