@@ -21,8 +21,9 @@ it 1.01-1.22x faster (tune_scaled_mm_ws_store.json), 1.01-1.08x the `tl` tiles a
 `tl` tiles where both fill their last round: tune_scaled_mm_ws_dispatch_rot.json), in the ping-pong schedule up to
 K = 4096 and where its 128x128 tiles fill the last round better (scaled_mm._ws_pick); since stop 62 from 257 rows,
 fp8 where its tiles fill a round (0.985-1.08x the `tl` tiles there), int8 also below one round of tiles, where the
-`tl` int8 tile trails by up to 1.6x (tune_scaled_mm_ws_mid_m.json, scaled_mm.WS_MIN_ROUND_FILL); both dtypes at 116..128 and 231..256 rows, 0.93-1.37x the split-K `tl` tiles
-(tune_scaled_mm_ws_small_m.json, scaled_mm.WS_MIN_ROW_FILL).
+`tl` int8 tile trails by up to 1.6x (tune_scaled_mm_ws_mid_m.json, scaled_mm.WS_MIN_ROUND_FILL); both dtypes at
+116..128 and 231..256 rows, 0.93-1.37x the split-K `tl` tiles (tune_scaled_mm_ws_small_m.json,
+scaled_mm.WS_MIN_ROW_FILL).
 
 Ping-pong (WsConfig.pingpong, `_pingpong_consumer`): the same loader and ring, but each consumer warpgroup takes every
 other tile of the program whole (128x128 as two 64x128 accumulators) and the two main loops take turns through two

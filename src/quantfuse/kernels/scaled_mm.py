@@ -202,9 +202,9 @@ PINGPONG_MAX_K = 4096
 # - fp8: from a full round (as from 1024 rows), also from 257 rows: there `_ws_pick`'s kernel reads 0.985-1.08x the
 #   tl tiles, over 1.01 on 7 of 8 shapes (768x4096x28672 1.08, 768x4096x6144 1.08, 512x4096x28672 1.05; 512x28672x8192
 #   0.985). Below a round it reads 0.92-1.03x them (1024x2048x2048 0.92, 384x4096x6144 0.93): the tl tiles by the wave
-#   rule. The cooperative kernel
-#   no longer enters the wave rule where its last round ties with the tl tiles': the tl tile led in 7 of those 9
-#   measured cases by 1-3% (1024x2048x3072 15.9 us vs 16.3, 768x4096x4096 25.7 vs 26.4; 1024x8192x3072 48.2 vs 47.8).
+#   rule. The cooperative kernel no longer enters the wave rule where its last round ties with the tl tiles': the tl
+#   tile led in 7 of those 9 measured cases, by up to 3% (1024x2048x3072 15.9 us vs 16.3, 768x4096x4096 25.7 vs 26.4;
+#   1024x8192x3072 48.2 vs 47.8).
 WS_MIN_ROUND_FILL = {"sm90": WAVE_TOLERANCE, "sm90_int8": 0.0}
 CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": _SM90_SMALL_M + [
