@@ -77,9 +77,19 @@ def test_fp8_below_a_round_takes_the_tl_tiles(sm90):
     # sees the tl tiles only (the tl tile led in 7 of 9 such ties measured: 1024x2048x3072 15.9 us vs 16.3)
     assert isinstance(kmm._pick_config(kmm.CONFIGS, 1024, 3072, 2048, sm90, None, None, None, True, True),
                       kmm.MMConfig)
+    # the same tie at 2048 rows (2048 x 1536: 96 cooperative tiles, 192 tl tiles)
+    assert isinstance(kmm._pick_config(kmm.CONFIGS, 2048, 1536, 4096, sm90, None, None, None, True, True),
+                      kmm.MMConfig)
     # 1024 x 2048: 64 cooperative tiles (0.48) against 128 tl tiles (0.97)
     assert isinstance(kmm._pick_config(kmm.CONFIGS, 1024, 2048, 2048, sm90, None, None, None, True, True),
                       kmm.MMConfig)
+
+
+def test_every_bucket_has_a_tl_tile():
+    # the fallback where the Gluon kernel does not apply (and the wave rule's candidates) must exist in every bucket
+    for rows in kmm.CONFIGS.values():
+        for entry in rows:
+            assert any(isinstance(c, kmm.MMConfig) for c in entry[-1]), entry
 
 
 @pytest.mark.parametrize("m,k,n,pingpong", [

@@ -10,8 +10,9 @@ Blockwise FP8 (1x128 activation groups, 128x128 weight blocks):
     out[i, j] = sum_kb (scale_a[i, kb] * scale_b[kb, j // 128]) * dot(a[i, kb-block], b[kb-block, j]) + bias[j]
   How the per-step scales are applied is MMConfig.variant (BLOCKWISE_VARIANTS: two float32 tiles, a rescaled
   single accumulator, one weight scale per tile); the shipped sm90 table uses variant 2, measured fastest.
-  On sm90 past decode sizes, with describable operands, the Gluon kernel of blockwise_wgmma.py runs instead
-  (asynchronous wgmma, each step's partial scaled while the next step's product runs): 1.25-1.5x this one.
+  On sm90 at the M of blockwise_wgmma.takes_m (96..128 and from 192 rows), with describable operands, the Gluon
+  kernel of blockwise_wgmma.py runs instead (asynchronous wgmma, each step's partial scaled while the next step's
+  product runs): 1.25-1.5x this one.
 
 Design:
 - One tile kernel per family. Tiles are visited in grouped order (GROUP_M row-tiles share a column
@@ -154,9 +155,9 @@ _SM90_INT8_LONG_K = [MMConfig(128, 256, 128, 8, 3, tma=True, persistent=1)] + _S
 # epilogue stores 16-bit results through a layout of 16-byte stores (tune_scaled_mm_ws_store.json, one call, the
 # six Llama-3 shapes at M = 1024 and 4096, bf16 out + bias, CUDA graphs) it is 1.01-1.22x its former self and
 # 1.01-1.08x the tl tiles at K = 4096 and 8192 (4096x4096x4096 102.3 us vs 108.6, 1024x8192x10240 135.3 vs 143.3,
-# 4096x4096x28672 725 vs 776), so it runs at every K; `_pick_config` takes it where its 128x256 tiles fill one
-# round of the SMs. fp8 through it read 0.85-1.08x the tl tiles in that one call (1024x4096x6144 0.85,
-# 4096x4096x6144 1.08) and stayed on them until the A/B below.
+# 4096x4096x28672 725 vs 776), so it runs at every K; `_pick_config` took it where its 128x256 tiles fill one
+# round of the SMs (since stop 62 that holds for fp8 only: WS_MIN_ROUND_FILL). fp8 through it read 0.85-1.08x the
+# tl tiles in that one call (1024x4096x6144 0.85, 4096x4096x6144 1.08) and stayed on them until the A/B below.
 _SM90_WS = WsConfig(128, 256, 4, 8)
 # The ping-pong schedule of that kernel (WsConfig.pingpong: each consumer warpgroup takes every other 128x128 tile
 # whole, so one's epilogue runs under the other's main loop), and fp8 through the Gluon kernels from 1024 rows as
@@ -181,7 +182,7 @@ _SM90_FP8_LARGE_M = [MMConfig(128, 256, 128, 8, 3, 16, tma=True, persistent=1),
 # 65..256 rows (batched decode): the tl tiles, split over K; the Gluon kernels (`_ws_pick`) where their 128-row tiles
 # are at least WS_MIN_ROW_FILL full (116..128 and 231..256 rows). H100 A/B, 5 rotated rounds
 # (results/tune_scaled_mm_ws_small_m.json, the six Llama-3 shapes at M = 128 / 192 / 256, fp8 and int8): at 256 rows
-# the pick is 1.00-1.37x the tl tile (int8 4096x4096 15.3 us vs 21.0, 4096x28672 63.0 vs 81.6; fp8 4096x6144 17.9
+# the pick is 1.01-1.37x the tl tile (int8 4096x4096 15.3 us vs 21.0, 4096x28672 63.0 vs 81.6; fp8 4096x6144 17.9
 # vs 18.0); at 128 rows 0.93-1.27x (14336x4096, long K on 32 tiles, is the loss: int8 42.2 vs 39.8, fp8 42.5 vs
 # 39.4); at 192 rows, a half-empty second row of tiles, `_ws_pick`'s kernel reads 0.81-1.26x it, under 1 on 7 of
 # 12: the tl tile's 64-row tiles stay.
@@ -193,12 +194,13 @@ WAVE_TOLERANCE = 0.95
 PINGPONG_UNITS = 0.9
 PINGPONG_MAX_K = 4096
 # Below one round of cooperative (128x256) tiles and from 257 rows (H100 A/B, 5 rotated rounds:
-# results/tune_scaled_mm_ws_mid_m.json, the six Llama-3 shapes at M = 384 / 512 / 768; ..._small_rot.json at 1024
-# rows), as a fraction of a round of the SMs from which the Gluon kernels run instead of the tl tiles, per table:
+# results/tune_scaled_mm_ws_mid_m.json, the six Llama-3 shapes at M = 384 / 512 / 768;
+# tune_scaled_mm_ws_dispatch_small_rot.json at 1024 rows), as a fraction of a round of the SMs from which the Gluon
+# kernels run instead of the tl tiles, per table:
 # - int8: from any fill. The tl int8 tile (128x128, 3 stages) trails there: 384x4096x4096 22.6 us vs 15.6 ping-pong,
 #   512x14336x4096 72.6 vs 45.6, 1024x8192x2048 41.4 vs 26.0, 768x28672x8192 312 vs 252; `_ws_pick` chooses
 #   within 3.5% of the faster Gluon kernel on all 18 mid-M shapes (worst 384x4096x6144: ping-pong 27.2 us,
-#   cooperative 26.3) and is at most 2.7% behind the tl tile where that leads (1024x2048x3072 15.7 vs 15.3).
+#   cooperative 26.3) and is at most 2.8% behind the tl tile where that leads (1024x2048x3072 15.7 vs 15.3).
 # - fp8: from a full round (as from 1024 rows), also from 257 rows: there `_ws_pick`'s kernel reads 0.985-1.08x the
 #   tl tiles, over 1.01 on 7 of 8 shapes (768x4096x28672 1.08, 768x4096x6144 1.08, 512x4096x28672 1.05; 512x28672x8192
 #   0.985). Below a round it reads 0.92-1.03x them (1024x2048x2048 0.92, 384x4096x6144 0.93): the tl tiles by the wave
@@ -307,6 +309,9 @@ SPLIT_K_MAX_M = 256
 # 1.30x the time of the one Gluon call, fp8 and int8 (tune_scaled_mm_ws_dispatch_rot.json: 2048x4096x6144 fp8 103.9
 # us vs 81.6, int8 93.4 vs 78.4; the 128-row call was not timed alone). At 2.5e14 that tail models as 26 + 8 us,
 # over 0.9 of the 25 us extra round, so those shapes run whole; 16-row tails (1040 rows) still split.
+# The tail rates were measured on tl tails; since stop 62 tails of 116..128 and 231..256 rows (blockwise: 96..128,
+# 192..256) run the Gluon kernels (e.g. 4224 x 14336 x 4096 splits off 128 rows, whose ping-pong call read 0.94x the
+# tl tile in tune_scaled_mm_ws_small_m.json), not re-measured as tails.
 ROW_SPLIT: Dict[str, Dict[str, object]] = {
     "sm90": dict(ops_per_s=1.3e15, bytes_per_s=2.5e12, fixed_s=8e-6, max_tail_fraction=0.9,
                  tail_ops_per_s={"rowwise": 2.5e14, "blockwise": 3e14}),
@@ -726,10 +731,11 @@ def _table_rows(table, device: torch.device, flavor: Optional[str]) -> List[Buck
 
 def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple, run,
                  flavor: Optional[str] = None, tma_ok: bool = True, ws_ok: bool = False) -> MMConfig:
-    """The bucket's first candidate (or, past SPLIT_K_MAX_M, the first with full waves; or with autotuning the
-    fastest). Without describable operands (tma_ok False) the TMA candidates are skipped: their pointer-load
-    fallback is a tile nobody measured for that shape; WsConfig candidates only where the Gluon kernel applies
-    (ws_ok)."""
+    """The bucket's first candidate (past SPLIT_K_MAX_M the Gluon kernel by `_ws_pick` from WS_MIN_ROUND_FILL of a
+    round of its tiles, else the first with full waves; up to it the Gluon kernel where its rows fill WS_MIN_ROW_FILL
+    of its tiles; with autotuning the fastest). Without describable operands (tma_ok False) the TMA candidates are
+    skipped: their pointer-load fallback is a tile nobody measured for that shape; WsConfig candidates only where
+    the Gluon kernel applies (ws_ok)."""
     if device.type != "cuda":
         return _INTERPRET_CONFIG
     table_key = _table_key(table, device, flavor)
@@ -975,7 +981,7 @@ def scaled_mm_blockwise(
 ) -> torch.Tensor:
     """Block-scaled fp8: scale_a [M, ceil(K/128)] (any strides), scale_b [ceil(K/128), ceil(N/128)].
     out / split_rows as in `scaled_mm` (row_split decides on the GPU where split_rows is None).
-    On sm90 with describable operands and M past the decode sizes the Gluon kernel runs
+    On sm90 with describable operands and the M of blockwise_wgmma.takes_m the Gluon kernel runs
     (blockwise_wgmma: asynchronous wgmma with lagged promotion; `config` may be a WgmmaConfig for it),
     elsewhere this module's `tl` kernel (`config` an MMConfig)."""
     from . import blockwise_wgmma as bw
