@@ -757,7 +757,7 @@ def test_wave_efficiency_and_int8_rows():
         kmm.MMConfig(128, 128, 128, 4, 3, tma=True, persistent=2)]
     for m, n in [(1, 4096), (16, 28672), (64, 4096), (256, 4096)]:
         assert kmm._bucket(kmm.CONFIGS["sm90_int8"], m, n) == kmm._bucket(kmm.CONFIGS["sm90"], m, n)
-    assert kmm._table_rows(kmm.CONFIGS, torch.device("cpu"), "int8") is kmm.CONFIGS["default"]
+    assert kmm._table_key(kmm.CONFIGS, torch.device("cpu"), "int8") == "default"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ BATCH_MIN_ROW_FILL = 0.75
 
 def takes_m(m: int) -> bool:
     """Whether the default dispatch runs this kernel at m rows (see MIN_M)."""
-    return m >= MIN_M or m >= BATCH_MIN_ROW_FILL * -(-m // 128) * 128
+    return m >= MIN_M or m >= BATCH_MIN_ROW_FILL * cdiv(m, 128) * 128  # the shipped tiles' 128 rows
 
 
 def pick_config(m: int, n: int, device: torch.device) -> WgmmaConfig:

@@ -176,6 +176,7 @@ _SM90_WS = WsConfig(128, 256, 4, 8)
 #   has at most PINGPONG_UNITS of the cooperative kernel's 128x128 tile-times. At longer K it trails by up to 13%
 #   (fp8 4096x28672x8192 1603 vs 1450; it moves 1.7x the bytes into shared memory per product).
 _SM90_WS_PINGPONG = WsConfig(128, 128, 5, 8, pingpong=True)
+_SM90_WS_BOTH = [_SM90_WS, _SM90_WS_PINGPONG]  # `_ws_pick` chooses between them
 _SM90_FP8_LARGE_M = [MMConfig(128, 256, 128, 8, 3, 16, tma=True, persistent=1),
                      MMConfig(128, 128, 128, 4, 5, tma=True, persistent=2),
                      MMConfig(128, 256, 128, 8, 3, 16), MMConfig(128, 128, 128, 4, 5), MMConfig(128, 256, 128, 8, 3)]
@@ -187,7 +188,7 @@ _SM90_FP8_LARGE_M = [MMConfig(128, 256, 128, 8, 3, 16, tma=True, persistent=1),
 # 39.4); at 192 rows, a half-empty second row of tiles, `_ws_pick`'s kernel reads 0.81-1.26x it, under 1 on 7 of
 # 12: the tl tile's 64-row tiles stay.
 _SM90_BATCH_M: Bucket = (256, [MMConfig(64, 128, 128, 4, 4), MMConfig(128, 128, 128, 8, 4),
-                               MMConfig(64, 256, 128, 8, 3), _SM90_WS, _SM90_WS_PINGPONG])
+                               MMConfig(64, 256, 128, 8, 3)] + _SM90_WS_BOTH)
 WS_MIN_ROW_FILL = 0.9
 # a candidate whose last wave is at least this fraction as full as the best candidate's counts as full
 WAVE_TOLERANCE = 0.95
@@ -211,14 +212,14 @@ WS_MIN_ROUND_FILL = {"sm90": WAVE_TOLERANCE, "sm90_int8": 0.0}
 CONFIGS: Dict[str, List[Bucket]] = {
     "sm90": _SM90_SMALL_M + [
         _SM90_BATCH_M,
-        (_BIG, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_FP8_LARGE_M),
+        (_BIG, _SM90_WS_BOTH + _SM90_FP8_LARGE_M),
     ],
     # int8 operands: the same small-M rows, their own large-M tile (consulted when the table has this key)
     "sm90_int8": _SM90_SMALL_M + [
         _SM90_BATCH_M,
-        (2047, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_INT8_LARGE_M),
-        (_BIG, _BIG, 16384, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_INT8_LONG_K),
-        (_BIG, [_SM90_WS, _SM90_WS_PINGPONG] + _SM90_INT8_LARGE_M),
+        (2047, _SM90_WS_BOTH + _SM90_INT8_LARGE_M),
+        (_BIG, _BIG, 16384, _SM90_WS_BOTH + _SM90_INT8_LONG_K),
+        (_BIG, _SM90_WS_BOTH + _SM90_INT8_LARGE_M),
     ],
     "default": [
         (16, [MMConfig(16, 64, 128, 4, 3)]),
@@ -709,11 +710,11 @@ def ws_units(m: int, n: int, cfg: WsConfig, sms: int) -> int:
     return cdiv(cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), sms) * (cfg.block_n // 128)
 
 
-def _ws_pick(candidates: list, m: int, n: int, k: int, sms: int) -> WsConfig:
+def _ws_pick(candidates: List[WsConfig], m: int, n: int, k: int, sms: int) -> WsConfig:
     """The first candidate (the cooperative Gluon kernel), or the ping-pong one: up to K = PINGPONG_MAX_K, or
     wherever its busiest program has at most PINGPONG_UNITS of the work (ws_units)."""
     first = candidates[0]
-    pingpong = next((c for c in candidates if isinstance(c, WsConfig) and c.pingpong), None)
+    pingpong = next((c for c in candidates if c.pingpong), None)
     if pingpong is not None and (k <= PINGPONG_MAX_K or
                                  ws_units(m, n, pingpong, sms) <= PINGPONG_UNITS * ws_units(m, n, first, sms)):
         return pingpong
@@ -723,10 +724,6 @@ def _ws_pick(candidates: list, m: int, n: int, k: int, sms: int) -> WsConfig:
 def _table_key(table, device: torch.device, flavor: Optional[str]) -> str:
     arch = arch_key(device.type, device.index)
     return f"{arch}_{flavor}" if flavor and f"{arch}_{flavor}" in table else arch
-
-
-def _table_rows(table, device: torch.device, flavor: Optional[str]) -> List[Bucket]:
-    return table[_table_key(table, device, flavor)]
 
 
 def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple, run,
@@ -745,18 +742,19 @@ def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple
     if not tma_ok:
         candidates = [c for c in candidates if not c.tma] or candidates
     if not _autotune_enabled() or len(candidates) == 1:
-        if m > SPLIT_K_MAX_M and len(candidates) > 1:
-            first, sms = candidates[0], sm_count(device)
-            # the persistent Gluon kernel's measured wins include part-full last rounds (1024x8192x10240: 320
-            # tiles on 132 SMs, 1.06x); below one round of tiles, where WS_MIN_ROUND_FILL says so, the tl tiles
-            fill = WS_MIN_ROUND_FILL.get(table_key, WAVE_TOLERANCE)
-            if isinstance(first, WsConfig) and cdiv(m, first.block_m) * cdiv(n, first.block_n) >= fill * sms:
-                return _ws_pick(candidates, m, n, k, sms)
-            return _wave_pick([c for c in candidates if not isinstance(c, WsConfig)], m, n, sms)
         ws = [c for c in candidates if isinstance(c, WsConfig)]
+        tl = [c for c in candidates if not isinstance(c, WsConfig)]
+        if m > SPLIT_K_MAX_M:
+            # the persistent Gluon kernel's measured wins include part-full last rounds (1024x8192x10240: 320
+            # tiles on 132 SMs, 1.06x); below WS_MIN_ROUND_FILL of a round of its tiles, the tl tiles
+            sms = sm_count(device)
+            fill = WS_MIN_ROUND_FILL.get(table_key, WAVE_TOLERANCE)
+            if ws and cdiv(m, ws[0].block_m) * cdiv(n, ws[0].block_n) >= fill * sms:
+                return _ws_pick(ws, m, n, k, sms)
+            return _wave_pick(tl, m, n, sms)
         if ws and m >= WS_MIN_ROW_FILL * cdiv(m, ws[0].block_m) * ws[0].block_m:
             return _ws_pick(ws, m, n, k, sm_count(device))
-        return next(c for c in candidates if not isinstance(c, WsConfig))
+        return tl[0]
     if key not in _tuned:
         # opt-in: time each candidate once for this exact shape (not inside graph capture)
         best, best_ms = candidates[0], float("inf")
