@@ -84,7 +84,9 @@ def main(profile_names):
         prof.disable()
         _sync()
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("cumulative").print_stats(30)
+        stats.sort_stats("tottime").print_stats(30)
         print("=====", name)
         print(text.getvalue())
 

@@ -13,6 +13,7 @@ from quantfuse.checkpoint import load_quantized, save_quantized
 from quantfuse.quantize_api import (
     Fp8BlockConfig,
     Fp8DynamicConfig,
+    Fp8StaticConfig,
     Int4WeightOnlyConfig,
     Int8DynamicConfig,
     Int8StaticConfig,
@@ -69,7 +70,7 @@ ALL_CONFIGS = [
     Int8DynamicConfig(), Int8StaticConfig(), Int8StaticConfig(calibrator="percentile"),
     Int8StaticConfig(calibrator="mse", symmetric=False), Int8StaticConfig(calibrator="entropy"),
     Int8DynamicConfig(fuse_gated_mlp=False), config_for_scheme("fp8_dynamic"), Fp8DynamicConfig(fuse_gated_mlp=False),
-    Fp8BlockConfig(), Fp8BlockConfig(fuse_gated_mlp=False),
+    Fp8StaticConfig(), Fp8StaticConfig(calibrator="percentile"), Fp8BlockConfig(), Fp8BlockConfig(fuse_gated_mlp=False),
     Int4WeightOnlyConfig(), Int4WeightOnlyConfig(group_size=64, symmetric=False),
     Int4WeightOnlyConfig(algorithm="gptq"), Int8WeightOnlyConfig(), Int8WeightOnlyConfig(algorithm="gptq"),
 ]
@@ -294,6 +295,48 @@ def test_unsupported_layer_errors():
     assert isinstance(m[0], qm.Int8DynamicLinear)
 
 
+def test_fp8_static_layer_math_and_calibrated_scale():
+    """fp8_static: s_x = max|x| over the calibration batches / 448 (max calibrator), weights per channel in e4m3,
+    y = s_x * s_w[n] * (x_q @ W_q^T) + b with x_q = sat(rne(x / s_x)), inputs past the calibrated amax
+    saturating at +-448 codes."""
+    torch.manual_seed(21)
+    model = nn.Sequential(nn.Linear(64, 48))
+    lin = model[0]
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    calib = [torch.randn(5, 64) * s for s in (1.0, 3.0, 2.0)]
+    quantize_(model, Fp8StaticConfig(), calibration_data=calib, progress=False)
+    layer = model[0]
+    assert type(layer) is qm.Fp8StaticLinear and layer.weight.dtype == torch.float8_e4m3fn
+    amax = max(float(c.abs().max()) for c in calib)
+    assert float(layer.input_scale) == float(torch.tensor(amax, dtype=torch.float32) / 448)
+    s_w = w.abs().amax(dim=1, keepdim=True).float() / 448
+    torch.testing.assert_close(layer.weight_scale, s_w, rtol=0, atol=0)
+    assert torch.equal(layer.weight, (w / s_w).clamp(-448, 448).to(torch.float8_e4m3fn))
+    x = torch.randn(7, 64) * 4  # some values beyond the calibrated amax: saturated, not inf / NaN
+    s_x = layer.input_scale.reshape(())
+    x_q = (x / s_x).clamp(-448, 448).to(torch.float8_e4m3fn)
+    expected = (s_x * layer.weight_scale.reshape(1, -1)) * (x_q.float() @ layer.weight.float().t()) + b
+    y = layer(x)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    assert layer.ct_scheme()["input_activations"]["type"] == "float"
+    assert layer.ct_scheme()["input_activations"]["strategy"] == "tensor"
+    assert layer.ct_scheme()["input_activations"]["dynamic"] is False
+
+
+def test_fp8_static_layer_refuses_zero_points():
+    lin = nn.Linear(32, 16)
+    with pytest.raises(ValueError, match="input_range: a zero point needs int8 codes"):
+        qm.Fp8StaticLinear.from_linear(lin, input_range=(-1.0, 2.0))
+    with pytest.raises(ValueError, match="amax"):
+        qm.Fp8StaticLinear.from_linear(lin)
+    q8 = qm.Int8StaticLinear.from_linear(lin, input_range=(-1.0, 2.0))
+    with pytest.raises(ValueError, match="input_zero_point: fp8 static layers are symmetric"):
+        qm.Fp8StaticLinear(q8.weight, q8.weight_scale, None, q8.input_scale, q8.input_zero_point)
+    with pytest.raises(TypeError, match="weight_q: expected float8_e4m3fn"):
+        qm.Fp8StaticLinear(q8.weight, q8.weight_scale, None, q8.input_scale)
+
+
 def test_shape_error_names_layer():
     m = nn.Sequential(nn.Linear(96, 128))
     with pytest.raises(ValueError, match=r"layer '0' \(Linear 96->128\) cannot take scheme fp8_block"):
@@ -304,6 +347,10 @@ def test_shape_error_names_layer():
     (lambda: Int8StaticConfig(calibrator="minmax"), ValueError, "calibrator"),
     (lambda: Int8StaticConfig(symmetric="yes"), TypeError, "symmetric"),
     (lambda: Int8StaticConfig(percentile=120.0), ValueError, "percentile"),
+    (lambda: Fp8StaticConfig(calibrator="mse"), ValueError, "calibrator: expected 'max' or 'percentile'"),
+    (lambda: Fp8StaticConfig(calibrator="entropy"), ValueError, "integer grid"),
+    (lambda: Fp8StaticConfig(symmetric=False), ValueError, "symmetric only"),
+    (lambda: Fp8StaticConfig(symmetric=1), TypeError, "symmetric"),
     (lambda: Int4WeightOnlyConfig(group_size=100), ValueError, "group_size"),
     (lambda: Int4WeightOnlyConfig(algorithm="awq"), ValueError, "algorithm"),
     (lambda: Int4WeightOnlyConfig(scale_dtype="bfloat16"), TypeError, "scale_dtype"),
@@ -561,7 +608,8 @@ def test_compressed_tensors_config_layout(tmp_path):
 # compressed-tensors (the PyPI package) reads what we write
 # ----------------------------------------------------------------------------------------------------
 CT_CONFIGS = [Int8DynamicConfig(), Int8StaticConfig(symmetric=False), config_for_scheme("fp8_dynamic"),
-              Fp8BlockConfig(), Int4WeightOnlyConfig(), Int4WeightOnlyConfig(group_size=64, symmetric=False),
+              Fp8StaticConfig(), Fp8BlockConfig(), Int4WeightOnlyConfig(),
+              Int4WeightOnlyConfig(group_size=64, symmetric=False),
               Int8WeightOnlyConfig(), Int4WeightOnlyConfig(symmetric=False, scale_dtype=torch.bfloat16)]
 
 
@@ -761,6 +809,8 @@ W8A8_MERGE_CASES = {
     "int8_static_azp": (qm.Int8StaticLinear,
                         lambda lin: qm.Int8StaticLinear.from_linear(lin, input_range=(-2.0, 3.5)), (96, 32, 40),
                         "scaled_mm"),
+    "fp8_static": (qm.Fp8StaticLinear, lambda lin: qm.Fp8StaticLinear.from_linear(lin, amax=3.0), (96, 32, 40),
+                   "scaled_mm"),
     "fp8_block": (qm.Fp8BlockLinear, qm.Fp8BlockLinear.from_linear, (256, 128, 40), "scaled_mm_blockwise"),
 }
 
@@ -847,7 +897,7 @@ def test_merged_w8a8_in_a_transformers_llama_layer(monkeypatch):
 
 INFERENCE_MODE_CONFIGS = [Int8DynamicConfig(), Int8DynamicConfig(merge_projections=False), Fp8BlockConfig(),
                           config_for_scheme("fp8_dynamic"), Int4WeightOnlyConfig(group_size=64),
-                          Int8StaticConfig()]
+                          Int8StaticConfig(), Fp8StaticConfig()]
 
 
 @pytest.mark.parametrize("config", INFERENCE_MODE_CONFIGS, ids=[c.scheme for c in INFERENCE_MODE_CONFIGS])
@@ -891,7 +941,7 @@ def test_shared_input_sees_a_rebound_tensor(monkeypatch):
 
 
 LOAD_CONFIGS = [Int4WeightOnlyConfig(group_size=64), Int8StaticConfig(symmetric=False), Fp8BlockConfig(),
-                Int8DynamicConfig(), Int8WeightOnlyConfig()]
+                Int8DynamicConfig(), Int8WeightOnlyConfig(), Fp8StaticConfig()]
 
 
 @pytest.mark.parametrize("config", LOAD_CONFIGS, ids=[c.scheme for c in LOAD_CONFIGS])

@@ -15,6 +15,7 @@ __all__ = ["ops", "reference", "__version__", *_ops_all]
 from .quantize_api import (  # noqa: E402
     Fp8BlockConfig,
     Fp8DynamicConfig,
+    Fp8StaticConfig,
     Int4WeightOnlyConfig,
     Int8DynamicConfig,
     Int8StaticConfig,
@@ -25,4 +26,4 @@ from .quantize_api import (  # noqa: E402
 )
 
 __all__ += ["quantize_", "save_quantized", "load_quantized", "Int8DynamicConfig", "Int8StaticConfig",
-            "Fp8DynamicConfig", "Fp8BlockConfig", "Int4WeightOnlyConfig", "Int8WeightOnlyConfig"]
+            "Fp8DynamicConfig", "Fp8StaticConfig", "Fp8BlockConfig", "Int4WeightOnlyConfig", "Int8WeightOnlyConfig"]

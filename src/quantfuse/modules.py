@@ -484,7 +484,9 @@ class Int8StaticLinear(_ScaledMMLinear):
                     input_range: Optional[Tuple[float, float]] = None) -> "Int8StaticLinear":
         """`amax` (symmetric) or `input_range=(lo, hi)` (asymmetric) of the layer's input, from calibration."""
         _check_linear(linear)
-        q, s = quantize_weight_per_channel(linear.weight, torch.int8)
+        if input_range is not None and cls.qdtype != torch.int8:
+            raise ValueError(f"input_range: a zero point needs int8 codes; {cls.__name__} is symmetric (pass amax)")
+        q, s = quantize_weight_per_channel(linear.weight, cls.qdtype)
         dev = linear.weight.device
         if input_range is not None:
             lo, hi = float(min(input_range[0], 0.0)), float(max(input_range[1], 0.0))
@@ -495,14 +497,14 @@ class Int8StaticLinear(_ScaledMMLinear):
         amax_t = torch.as_tensor(float(amax), dtype=torch.float32, device=dev)
         if not torch.isfinite(amax_t):
             raise ValueError(f"amax: expected a finite calibrated amax, got {float(amax)}")
-        return cls(q, s, linear.bias, ref.dynamic_scale(amax_t, torch.int8))
+        return cls(q, s, linear.bias, ref.dynamic_scale(amax_t, cls.qdtype))
 
     def forward(self, x: Tensor) -> Tensor:
         merged = self._merged_output(x)
         if merged is not None:
             return merged
         out_dtype = _out_dtype(x)
-        q, scale, _ = ops.quantize_per_tensor(_rows(x), torch.int8, self.input_scale, self.input_zero_point)
+        q, scale, _ = ops.quantize_per_tensor(_rows(x), self.qdtype, self.input_scale, self.input_zero_point)
         return self._mm(q, scale, out_dtype, azp_adj=self.azp_adj).reshape(*x.shape[:-1], self.out_features)
 
     @classmethod
@@ -514,6 +516,32 @@ class Int8StaticLinear(_ScaledMMLinear):
         return {"format": "int-quantized",
                 "weights": _ct_args(8, "int", "channel"),
                 "input_activations": _ct_args(8, "int", "tensor", symmetric=self.symmetric)}
+
+
+class Fp8StaticLinear(Int8StaticLinear):
+    """W8A8 fp8 (e4m3fn) with a static per-tensor activation scale from calibration: the layout of FP8
+    checkpoints that carry an `input_scale` (vLLM's "fp8" models, llm-compressor's FP8 scheme).
+
+    s_w[n] = max|W[n, :]| / 448, W_q = sat(rne(W / s_w)) in e4m3; s_x = max(amax, 1e-10) / 448 from the
+    calibrated amax; per call x_q = sat(rne(x / s_x)) (`quantize_per_tensor` with the static scale) and
+    y[i, n] = s_x * s_w[n] * sum_k x_q[i, k] W_q[n, k] + b[n] (`scaled_mm`, fp8 products accumulated in
+    float32). Symmetric only: fp8 codes take no zero point. Saturation clips inputs beyond the calibrated
+    amax to +-448 codes, as in the int8 scheme."""
+
+    scheme = "fp8_static"
+    qdtype = FP8
+
+    def __init__(self, weight_q, weight_scale, bias, input_scale: Tensor, input_zero_point: Optional[Tensor] = None):
+        if input_zero_point is not None:
+            raise ValueError("input_zero_point: fp8 static layers are symmetric, got a zero point")
+        if weight_q.dtype != FP8:
+            raise TypeError(f"weight_q: expected float8_e4m3fn codes, got {weight_q.dtype}")
+        super().__init__(weight_q, weight_scale, bias, input_scale)
+
+    def ct_scheme(self):
+        return {"format": "float-quantized",
+                "weights": _ct_args(8, "float", "channel"),
+                "input_activations": _ct_args(8, "float", "tensor")}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -856,7 +884,7 @@ def _mergeable_kind(layer) -> Optional[type]:
     """The class a layer merges as (exactly: fp8 layers subclass the int8 ones), or None."""
     kind = type(layer)
     return kind if kind in (WeightOnlyLinear, Int8DynamicLinear, Fp8DynamicLinear, Int8StaticLinear,
-                            Fp8BlockLinear) else None
+                            Fp8StaticLinear, Fp8BlockLinear) else None
 
 
 def _merge_mismatch(layers) -> Optional[str]:
@@ -871,7 +899,7 @@ def _merge_mismatch(layers) -> Optional[str]:
                        "scale dtype": lambda m: m.weight_scale.dtype, "device": lambda m: m.weight_packed.device})
     else:
         fields.update({"weight dtype": lambda m: m.weight.dtype, "device": lambda m: m.weight.device})
-    if kind is Int8StaticLinear:  # one quantization of x serves all: the calibrated scale and zero point agree
+    if kind in (Int8StaticLinear, Fp8StaticLinear):  # one quantization of x serves all: same scale and zero point
         fields.update({"input_scale": lambda m: float(m.input_scale),
                        "input_zero_point": lambda m: None if m.input_zero_point is None else int(m.input_zero_point)})
     mismatch = first_mismatch("members", layers, fields)
@@ -885,8 +913,8 @@ class MergedProjections:
     """Sibling layers that read the same tensor (attention's q_proj / k_proj / v_proj, a gated MLP's
     gate_proj / up_proj) run as one GEMM over their stacked weights: weight-only layers (`WeightOnlyLinear`),
     W8A8 ones (`Int8DynamicLinear`, `Fp8DynamicLinear`, `Fp8BlockLinear`: x is quantized once either way, see
-    `SharedInputQuantization`), and `Int8StaticLinear` ones with the same calibrated input scale and zero
-    point (x quantized once instead of once per layer).
+    `SharedInputQuantization`), and `Int8StaticLinear` / `Fp8StaticLinear` ones with the same calibrated input
+    scale and zero point (x quantized once instead of once per layer).
 
     At decode sizes such a GEMM is bound by streaming its weight and by the fixed cost of a launch and its
     split-K reduction: one [sum N_i, K] GEMM costs about what the largest member alone does (Llama-3-8B int4
@@ -913,7 +941,8 @@ class MergedProjections:
         members = list(members)
         if len(members) < 2 or not all(_mergeable_kind(m) for m in members):
             raise TypeError("members: expected two or more WeightOnlyLinear, Int8DynamicLinear, Fp8DynamicLinear, "
-                            f"Int8StaticLinear or Fp8BlockLinear layers, got {[type(m).__name__ for m in members]}")
+                            f"Int8StaticLinear, Fp8StaticLinear or Fp8BlockLinear layers, got "
+                            f"{[type(m).__name__ for m in members]}")
         for i, m in enumerate(members):
             if m._merged is not None:
                 raise ValueError(f"members[{i}]: already part of a MergedProjections")
@@ -1033,10 +1062,11 @@ def merge_projections(model: nn.Module, groups=MERGE_GROUPS,
 
 
 MODULE_CLASSES = {cls.__name__: cls for cls in
-                  (Int8DynamicLinear, Int8StaticLinear, Fp8DynamicLinear, Fp8BlockLinear, WeightOnlyLinear)}
+                  (Int8DynamicLinear, Int8StaticLinear, Fp8StaticLinear, Fp8DynamicLinear, Fp8BlockLinear,
+                   WeightOnlyLinear)}
 
 __all__ = ["SharedInputQuantization", "SHARED_INPUT", "QuantizedLinear", "Int8DynamicLinear", "Int8StaticLinear",
-           "Fp8DynamicLinear", "Fp8BlockLinear", "GatedMLP", "Fp8BlockGatedMLP", "Int8DynamicGatedMLP",
-           "Fp8DynamicGatedMLP", "GATED_MLP_CLASSES", "WeightOnlyLinear", "MergedProjections",
+           "Fp8StaticLinear", "Fp8DynamicLinear", "Fp8BlockLinear", "GatedMLP", "Fp8BlockGatedMLP",
+           "Int8DynamicGatedMLP", "Fp8DynamicGatedMLP", "GATED_MLP_CLASSES", "WeightOnlyLinear", "MergedProjections",
            "merge_projections", "merged_groups", "MERGE_GROUPS", "quantize_weight_per_channel",
            "gptq_quantize", "quantize_weight_blocks", "pack_int32", "unpack_int32"]

@@ -4,6 +4,7 @@ quantized modules of `quantfuse.modules`, in place (in the spirit of torchao's `
     import quantfuse
     quantfuse.quantize_(model, quantfuse.Int8DynamicConfig(skip=("lm_head",)))
     quantfuse.quantize_(model, quantfuse.Int8StaticConfig(calibrator="entropy"), calibration_data=batches)
+    quantfuse.quantize_(model, quantfuse.Fp8StaticConfig(), calibration_data=batches)  # input_scale per layer
     quantfuse.save_quantized(model, "out/")          # safetensors + compressed-tensors quantization_config
 
 Which layers: every `nn.Linear` whose name does not match `config.skip` (fnmatch patterns matched against
@@ -29,6 +30,7 @@ from .modules import (
     Fp8BlockLinear,
     Fp8DynamicGatedMLP,
     Fp8DynamicLinear,
+    Fp8StaticLinear,
     GatedMLP,
     Int8DynamicGatedMLP,
     Int8DynamicLinear,
@@ -174,6 +176,34 @@ class Int8StaticConfig(QuantConfig):
 
 
 @dataclass
+class Fp8StaticConfig(Int8StaticConfig):
+    """FP8 e4m3 weights per output channel, a static per-tensor FP8 activation scale from calibration
+    (`Fp8StaticLinear`: s_x = amax / 448; the FP8 checkpoint layout with an `input_scale`).
+
+    calibrator: "max" (running max |x|, the usual choice for fp8, whose range rather than its resolution
+    is what a scale sets) or "percentile" (at `percentile`, over a `num_bins` histogram). The "mse" and
+    "entropy" searches of SPEC section 5 score candidates on an evenly spaced integer grid, which fp8 is
+    not, so they are refused here. Symmetric only. merge_projections as for `Int8StaticConfig`."""
+
+    scheme = "fp8_static"
+
+    def __post_init__(self):
+        if self.calibrator in ("mse", "entropy"):
+            raise ValueError(f"calibrator: expected 'max' or 'percentile' for fp8_static (the {self.calibrator} "
+                             f"search scores an evenly spaced integer grid; fp8 codes are not one), "
+                             f"got {self.calibrator!r}")
+        super().__post_init__()
+        if self.symmetric is not True:
+            raise ValueError(f"symmetric: fp8_static is symmetric only (fp8 codes take no zero point), "
+                             f"got {self.symmetric!r}")
+
+    def convert(self, linear, stats=None):
+        if stats is None or not stats.seen:
+            raise ValueError("Fp8StaticConfig: the layer saw no calibration data (was it ever called?)")
+        return Fp8StaticLinear.from_linear(linear, amax=stats.amax(self))
+
+
+@dataclass
 class Int4WeightOnlyConfig(QuantConfig):
     """INT4 weights per (channel, group of `group_size` inputs), 16-bit activations (W4A16).
 
@@ -248,12 +278,12 @@ class Int8WeightOnlyConfig(Int4WeightOnlyConfig):
     bits = 8
 
 
-CONFIGS = {cls.scheme: cls for cls in (Int8DynamicConfig, Int8StaticConfig, Fp8DynamicConfig, Fp8BlockConfig,
-                                       Int4WeightOnlyConfig, Int8WeightOnlyConfig)}
+CONFIGS = {cls.scheme: cls for cls in (Int8DynamicConfig, Int8StaticConfig, Fp8DynamicConfig, Fp8StaticConfig,
+                                       Fp8BlockConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig)}
 
 
 def config_for_scheme(scheme: str, **kwargs) -> QuantConfig:
-    """The config class of a scheme name (int8_dynamic, int8_static, fp8_dynamic, fp8_block,
+    """The config class of a scheme name (int8_dynamic, int8_static, fp8_dynamic, fp8_static, fp8_block,
     int4_weight_only, int8_weight_only) built with `kwargs`."""
     if scheme not in CONFIGS:
         raise ValueError(f"scheme: expected one of {tuple(CONFIGS)}, got {scheme!r}")
@@ -475,7 +505,7 @@ def quantize_(model: nn.Module, config: QuantConfig, calibration_data: Optional[
               progress: bool = True) -> nn.Module:
     """Replace the model's `nn.Linear` layers by quantized modules, in place; returns the model.
 
-    Static configs (Int8StaticConfig; Int4/Int8WeightOnlyConfig(algorithm="gptq"); also through
+    Static configs (Int8StaticConfig, Fp8StaticConfig; Int4/Int8WeightOnlyConfig(algorithm="gptq"); also through
     `overrides`) need `calibration_data`. Layers whose
     shape a scheme cannot take (e.g. fp8_block with in_features not a multiple of 128) raise a
     ValueError naming the layer; skip them or override them with another config."""
@@ -557,5 +587,5 @@ def linear_weight_nbytes(model: nn.Module) -> int:
 from .checkpoint import load_quantized, save_quantized  # noqa: E402  (re-exported)
 
 __all__ = ["quantize_", "QuantConfig", "Int8DynamicConfig", "Int8StaticConfig", "Fp8DynamicConfig",
-           "Fp8BlockConfig", "Int4WeightOnlyConfig", "Int8WeightOnlyConfig", "config_for_scheme",
+           "Fp8StaticConfig", "Fp8BlockConfig", "Int4WeightOnlyConfig", "Int8WeightOnlyConfig", "config_for_scheme",
            "save_quantized", "load_quantized", "CONFIGS"]

@@ -12,10 +12,11 @@ kernel at M = 1):
 - torch.compile of a function calling the members runs them one by one, to the same values;
 - a transformers LlamaDecoderLayer (hidden 1024) quantized int4: the merged layer's output against the
   unmerged one's, and 4 GEMM launches per call instead of 7;
-- W8A8 q|k|v (4096 -> 6144; int8 / fp8 dynamic, int8 static with and without zero point, fp8 blocks): int8
-  slices bit for bit the layers' own (exact int32 sums, same epilogue per element) at M in {1, 4, 16, 33,
-  2048}, fp8 within two output roundings; int8 dynamic under a CUDA graph too; a Llama layer with int8_dynamic gives the unmerged layer's output bit for bit with 4 scaled_mm
-  launches instead of 6.
+- W8A8 q|k|v (4096 -> 6144; int8 / fp8 dynamic, int8 static with and without zero point, fp8 static, fp8
+  blocks): int8 slices bit for bit the layers' own (exact int32 sums, same epilogue per element) at M in
+  {1, 4, 16, 33, 2048}, fp8 within two output roundings; int8 dynamic under a CUDA graph too; a Llama layer
+  with int8_dynamic gives the unmerged layer's output bit for bit with 4 scaled_mm launches instead of 6;
+- the static W8A8 layers (fp8, int8 with and without zero point) on CUDA against their CPU path.
 """
 
 import copy
@@ -58,6 +59,7 @@ W8A8 = {
     "fp8_dynamic": (qm.Fp8DynamicLinear.from_linear, False),
     "int8_static": (lambda lin: qm.Int8StaticLinear.from_linear(lin, amax=4.0), True),
     "int8_static_azp": (lambda lin: qm.Int8StaticLinear.from_linear(lin, input_range=(-3.0, 5.0)), True),
+    "fp8_static": (lambda lin: qm.Fp8StaticLinear.from_linear(lin, amax=4.0), False),
     "fp8_block": (qm.Fp8BlockLinear.from_linear, False),
 }
 
@@ -199,6 +201,22 @@ def test_w8a8_merged_slices_match_each_layer(case):
                 assert torch.equal(a, b), f"M={m}"
             else:
                 _assert_two_roundings(a, b, x, layer)
+
+
+@pytest.mark.parametrize("case", ["fp8_static", "int8_static", "int8_static_azp"])
+def test_static_layer_on_cuda_matches_its_cpu_path(case):
+    """A static W8A8 layer on CUDA (quantize_per_tensor with the calibrated scale, then scaled_mm's kernels)
+    against the same layer moved to the CPU (the reference ops), M in {1, 33, 2048}, inputs partly past the
+    calibrated amax (saturated codes): outputs within two output roundings."""
+    layer = W8A8[case][0](_linears((1024,), seed=23)[0])
+    cpu = copy.deepcopy(layer).to("cpu")
+    assert cpu.weight.dtype == layer.weight.dtype and torch.equal(cpu.weight.cpu(), layer.weight.cpu())
+    for m in (1, 33, 2048):
+        x = (torch.randn(m, 4096, device=DEV) * 2).to(BF16)
+        got = layer(x)
+        want = cpu(x.cpu()).to(DEV)
+        assert got.dtype == want.dtype == BF16 and torch.isfinite(got).all()
+        _assert_two_roundings(got, want, x, layer)
 
 
 def test_w8a8_merged_under_cuda_graph():
