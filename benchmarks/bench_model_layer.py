@@ -39,7 +39,18 @@ SCHEMES = {
     "int4_weight_only_unmerged": lambda: qf.Int4WeightOnlyConfig(group_size=128, merge_projections=False),
     "int8_weight_only": lambda: qf.Int8WeightOnlyConfig(),
     "int8_weight_only_unmerged": lambda: qf.Int8WeightOnlyConfig(merge_projections=False),
+    # static per-tensor input scales, calibrated on random hidden states (calibration_batches): the gated MLP
+    # stays three layers (its silu(gate) * up runs in torch), q|k|v and gate|up merged
+    "int8_static": lambda: qf.Int8StaticConfig(calibrator="max"),
+    "fp8_static": lambda: qf.Fp8StaticConfig(),
 }
+# BENCH_SCHEMES: a comma-separated subset of SCHEMES to run (bf16 always runs: it is the peer)
+if os.environ.get("BENCH_SCHEMES"):
+    _wanted = [s.strip() for s in os.environ["BENCH_SCHEMES"].split(",") if s.strip()]
+    _unknown = [s for s in _wanted if s not in SCHEMES]
+    if _unknown:
+        raise SystemExit(f"BENCH_SCHEMES: unknown schemes {_unknown}; expected some of {list(SCHEMES)}")
+    SCHEMES = {s: SCHEMES[s] for s in _wanted}
 # (label, tokens, CUDA graph): prefill both eager (what a plain PyTorch caller sees, CPU launch overhead
 # included) and graphed (the GPU time alone)
 TOKENS = [("decode_b1", 1, True), ("decode_b16", 16, True), ("prefill_2048", 2048, False),
@@ -84,6 +95,17 @@ def merged_bf16_linears(layer):
     return lambda x, xi: [F.linear(x, w_qkv), F.linear(x, w_o), F.linear(x, w_gu), F.linear(xi, w_d)]
 
 
+def calibration_batches(rope, batches=4, tokens=512):
+    """The layer's call arguments on random N(0, 1) bf16 hidden states (the static schemes' calibration)."""
+    torch.manual_seed(1)
+    out = []
+    for _ in range(batches):
+        x = torch.randn(1, tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        pos = torch.arange(tokens, device="cuda").unsqueeze(0)
+        out.append(dict(hidden_states=x, position_embeddings=rope(x, pos), position_ids=pos, attention_mask=None))
+    return out
+
+
 def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     base, rope = build_layer()
@@ -91,7 +113,9 @@ def main():
     layers = {"bf16": base}
     for scheme, make in SCHEMES.items():
         q = copy.deepcopy(base)
-        qf.quantize_(q, make(), progress=False)
+        config = make()
+        qf.quantize_(q, config, calibration_data=calibration_batches(rope) if config.needs_calibration else None,
+                     progress=False)
         layers[scheme] = q
     rows = []
     for label, tokens, graph in TOKENS:
@@ -126,7 +150,9 @@ def main():
                  notes="Decode: batch b, one token per sequence, no KV cache, CUDA graphs. Prefill: 2048 tokens, "
                        "eager and under a CUDA graph. linears = the seven projections alone (n/a where the gated "
                        "MLP is fused: fp8_block, int8_dynamic, fp8_dynamic; the *_unfused rows run the same scheme "
-                       "layer by layer). "
+                       "layer by layer). int8_static / fp8_static: per-tensor input scales calibrated (max) on "
+                       "four batches of 512 random N(0, 1) hidden states; their gated MLP is three layers (silu(gate) "
+                       "* up in torch between them). "
                        "Weight-only schemes merge q|k|v and gate|up into one GEMM each, int8/fp8_dynamic q|k|v "
                        "(MergedProjections; the linears are called as the layer calls them, q/k/v and gate/up on "
                        "one tensor); *_unmerged: one GEMM per projection. bf16_merged_linears: the bf16 weights "
