@@ -20,10 +20,12 @@ from .quantize_api import (  # noqa: E402
     Int8DynamicConfig,
     Int8StaticConfig,
     Int8WeightOnlyConfig,
+    load_compressed_tensors,
     load_quantized,
     quantize_,
     save_quantized,
 )
 
-__all__ += ["quantize_", "save_quantized", "load_quantized", "Int8DynamicConfig", "Int8StaticConfig",
-            "Fp8DynamicConfig", "Fp8StaticConfig", "Fp8BlockConfig", "Int4WeightOnlyConfig", "Int8WeightOnlyConfig"]
+__all__ += ["quantize_", "save_quantized", "load_quantized", "load_compressed_tensors", "Int8DynamicConfig",
+            "Int8StaticConfig", "Fp8DynamicConfig", "Fp8StaticConfig", "Fp8BlockConfig", "Int4WeightOnlyConfig",
+            "Int8WeightOnlyConfig"]

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Optional, Union
+import re
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
+from . import modules as qm
 from .modules import GATED_MLP_CLASSES, MODULE_CLASSES, GatedMLP, MergedProjections, QuantizedLinear, merged_groups
 
 TENSORS_FILE = "model.safetensors"
@@ -218,10 +220,32 @@ def _check_skeleton_layer(model: nn.Module, name: str, new: nn.Module) -> None:
                          "configuration?")
 
 
+def _load_float_tensors(model: nn.Module, tensors: Dict[str, torch.Tensor], prefixes: tuple, source: str) -> None:
+    """The checkpoint's tensors outside the quantized layers (`prefixes`) into the model: exactly the model's own
+    state-dict keys there, none missing, none left over."""
+    rest = {k: v for k, v in tensors.items() if not k.startswith(prefixes)}
+    expected = {k for k in model.state_dict() if not k.startswith(prefixes)}
+    missing = sorted(expected - set(rest))
+    unexpected = sorted(set(rest) - expected)
+    if missing or unexpected:
+        raise ValueError(f"{source}: does not match the model: missing {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                         f"{' ...' if len(unexpected) > 5 else ''}")
+    model.load_state_dict(rest, strict=False, assign=True)
+    tie = getattr(model, "tie_weights", None)
+    output_embeddings = getattr(model, "get_output_embeddings", lambda: None)()
+    if callable(tie) and getattr(getattr(model, "config", None), "tie_word_embeddings", False) \
+            and not isinstance(output_embeddings, (QuantizedLinear, GatedMLP)):
+        tie()  # assign=True gave the tied embedding and output weights two tensors: one again (a quantized
+        # output layer has its own codes and stays as loaded)
+
+
 @torch.no_grad()
 def load_quantized(directory: Union[str, os.PathLike], model_skeleton_or_hf_dir: Union[None, str, os.PathLike,
                    nn.Module] = None, device: Optional[Union[str, torch.device]] = None) -> nn.Module:
-    """Rebuild a model written by `save_quantized`: bit-exact tensors, the same quantfuse modules.
+    """Rebuild a model written by `save_quantized`: bit-exact tensors, the same quantfuse modules. A directory
+    without quantfuse.json whose config.json holds a compressed-tensors `quantization_config` (a checkpoint
+    written by another tool) goes to `load_compressed_tensors`.
 
     `model_skeleton_or_hf_dir`: a float model of the same architecture (modified in place), a Hugging
     Face model directory whose config.json describes it, or None to use the config.json saved with the
@@ -232,6 +256,9 @@ def load_quantized(directory: Union[str, os.PathLike], model_skeleton_or_hf_dir:
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"directory: expected a quantized checkpoint directory, got {directory!r} "
                                 "(no such directory)")
+    if not os.path.isfile(os.path.join(directory, QUANTFUSE_FILE)) and _ct_config(directory) is not None:
+        # written by another tool (llm-compressor, ...): the compressed-tensors config says what each layer is
+        return load_compressed_tensors(directory, model_skeleton_or_hf_dir, device)
     for fname in (TENSORS_FILE, QUANTFUSE_FILE):
         if not os.path.isfile(os.path.join(directory, fname)):
             raise FileNotFoundError(f"directory: {directory!r} is not a quantfuse checkpoint (missing {fname}; "
@@ -272,23 +299,7 @@ def load_quantized(directory: Union[str, os.PathLike], model_skeleton_or_hf_dir:
             _check_skeleton_layer(model, name, new)
         _set_module(model, name, new)
         prefixes.append(f"{name}.")
-    prefixes_t = tuple(prefixes)
-
-    rest = {k: v for k, v in tensors.items() if not k.startswith(prefixes_t)}
-    expected = {k for k in model.state_dict() if not k.startswith(prefixes_t)}
-    missing = sorted(expected - set(rest))
-    unexpected = sorted(set(rest) - expected)
-    if missing or unexpected:
-        raise ValueError(f"{TENSORS_FILE}: does not match the model: missing {missing[:5]}"
-                         f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                         f"{' ...' if len(unexpected) > 5 else ''}")
-    model.load_state_dict(rest, strict=False, assign=True)
-    tie = getattr(model, "tie_weights", None)
-    output_embeddings = getattr(model, "get_output_embeddings", lambda: None)()
-    if callable(tie) and getattr(getattr(model, "config", None), "tie_word_embeddings", False) \
-            and not isinstance(output_embeddings, (QuantizedLinear, GatedMLP)):
-        tie()  # assign=True gave the tied embedding and output weights two tensors: one again (a quantized
-        # output layer has its own codes and stays as loaded)
+    _load_float_tensors(model, tensors, tuple(prefixes), TENSORS_FILE)
     for names in info.get("merged_projections", []):
         try:
             MergedProjections([model.get_submodule(n) for n in names])
@@ -300,4 +311,229 @@ def load_quantized(directory: Union[str, os.PathLike], model_skeleton_or_hf_dir:
     return model
 
 
-__all__ = ["save_quantized", "load_quantized", "compressed_tensors_config", "checkpoint_state"]
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints written by other tools: the compressed-tensors config alone says what each layer is
+# ----------------------------------------------------------------------------------------------------
+INDEX_FILE = "model.safetensors.index.json"
+SUPPORTED_CT_SCHEMES = (
+    "pack-quantized int4 / int8 weights per group or channel, no activation quantization (W4A16 / W8A16)",
+    "int8 weights per channel or tensor (symmetric) with int8 activations per token (dynamic, symmetric) or per "
+    "tensor (static, optionally with a zero point)",
+    "fp8 e4m3 weights per channel or tensor with fp8 activations per token (dynamic) or per tensor (static)",
+    "fp8 e4m3 weights in 128x128 blocks with fp8 activations in dynamic 1x128 groups",
+)
+
+
+def _ct_config(directory: str) -> Optional[dict]:
+    """The compressed-tensors `quantization_config` of directory/config.json, or None when there is none."""
+    path = os.path.join(directory, CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        raw = json.load(f)
+    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
+        return qc
+    return None
+
+
+def _load_safetensors(directory: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of model.safetensors, or of the shards a model.safetensors.index.json lists."""
+    from safetensors.torch import load_file
+
+    single = os.path.join(directory, TENSORS_FILE)
+    index = os.path.join(directory, INDEX_FILE)
+    if os.path.isfile(single):
+        return load_file(single)
+    if not os.path.isfile(index):
+        raise FileNotFoundError(f"directory: {directory!r} has neither {TENSORS_FILE} nor {INDEX_FILE}")
+    with open(index) as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{INDEX_FILE}: expected a non-empty 'weight_map' object (tensor name -> shard file)")
+    tensors: Dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        path = os.path.join(directory, shard)
+        if os.path.basename(shard) != shard or not os.path.isfile(path):
+            raise FileNotFoundError(f"{INDEX_FILE}: shard {shard!r} is not a file in {directory!r}")
+        tensors.update(load_file(path))
+    missing = sorted(set(weight_map) - set(tensors))
+    if missing:
+        raise ValueError(f"{INDEX_FILE}: tensors listed but in no shard: {missing[:5]}")
+    return tensors
+
+
+def _ct_matches(name: str, module: nn.Module, patterns) -> bool:
+    """compressed-tensors target / ignore matching: an exact layer name, "re:<regex>" matched at the start of the
+    name, or the module's class name (e.g. "Linear")."""
+    for pattern in patterns or ():
+        if not isinstance(pattern, str):
+            raise ValueError(f"quantization_config: expected string targets / ignore entries, got {pattern!r}")
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], name):
+                return True
+        elif pattern == name or pattern == type(module).__name__:
+            return True
+    return False
+
+
+def _ct_weight_scale_per_channel(scale: torch.Tensor, n: int, strategy: str, name: str) -> torch.Tensor:
+    """weight_scale as [N, 1]: per channel as stored, a per-tensor scale repeated (exact)."""
+    if strategy == "channel" and scale.numel() == n:
+        return scale.reshape(n, 1)
+    if strategy == "tensor" and scale.numel() == 1:
+        return scale.reshape(1, 1).expand(n, 1).contiguous()
+    raise ValueError(f"layer '{name}': weight_scale of shape {tuple(scale.shape)} does not fit the {strategy!r} "
+                     f"strategy of {n} output channels")
+
+
+def _ct_layer(name: str, group_name: str, group: dict, fmt: str, local: Dict[str, torch.Tensor]) -> QuantizedLinear:
+    """The quantfuse layer for one compressed-tensors layer (its tensors by local name, bias included)."""
+    w = group.get("weights") or {}
+    a = group.get("input_activations")
+    where = f"quantization_config group '{group_name}' (layer '{name}', format {fmt!r})"
+
+    def need(*keys):
+        missing = [k for k in keys if k not in local]
+        if missing:
+            raise ValueError(f"{where}: the checkpoint has no {', '.join(missing)} for this layer "
+                             f"(it holds {sorted(local)})")
+
+    def unsupported(why: str):
+        return ValueError(f"{where}: {why}; quantfuse runs: " + "; ".join(SUPPORTED_CT_SCHEMES))
+
+    bias = local.get("bias")
+    if fmt == "pack-quantized":
+        if a is not None:
+            raise unsupported("pack-quantized weights with quantized activations")
+        need("weight_packed", "weight_scale", "weight_shape")
+        strategy = w.get("strategy")
+        if strategy == "group":
+            group_size = int(w.get("group_size") or 0)
+        elif strategy == "channel":
+            group_size = -1
+        else:
+            raise unsupported(f"weight strategy {strategy!r}")
+        if w.get("num_bits") not in (4, 8) or w.get("type", "int") != "int":
+            raise unsupported(f"{w.get('num_bits')}-bit {w.get('type')} packed weights")
+        if w.get("actorder") not in (None, False, "static", "weight"):
+            raise unsupported(f"activation-ordered groups (actorder {w.get('actorder')!r}) with a weight_g_idx")
+        zero_point = local.get("weight_zero_point") if not w.get("symmetric", True) else None
+        return qm.WeightOnlyLinear(local["weight_packed"], local["weight_scale"], local["weight_shape"],
+                                   int(w["num_bits"]), group_size, bias, zero_point)
+    if fmt not in ("int-quantized", "float-quantized", "naive-quantized"):
+        raise unsupported(f"format {fmt!r}")
+    need("weight", "weight_scale")
+    codes, w_scale = local["weight"], local["weight_scale"].float()
+    n = codes.shape[0]
+    if a is None:
+        raise unsupported("unpacked weights without activation quantization (W8A16 as naive-quantized)")
+    if not w.get("symmetric", True) or (not a.get("symmetric", True) and a.get("dynamic")):
+        raise unsupported("asymmetric weights, or dynamic asymmetric activations")
+    kind = (w.get("type"), w.get("num_bits"), a.get("type"), a.get("num_bits"))
+    dynamic, a_strategy = bool(a.get("dynamic")), a.get("strategy")
+    if kind == ("float", 8, "float", 8) and codes.dtype == torch.float8_e4m3fn:
+        if w.get("strategy") == "block":
+            if list(w.get("block_structure") or []) != [qm.BLOCK, qm.BLOCK] or not dynamic \
+                    or a_strategy != "group" or a.get("group_size") != qm.BLOCK:
+                raise unsupported(f"fp8 blocks {w.get('block_structure')} with activations {a_strategy} "
+                                  f"(group {a.get('group_size')}, dynamic {dynamic})")
+            return qm.Fp8BlockLinear(codes, w_scale, bias)
+        scale = _ct_weight_scale_per_channel(w_scale, n, w.get("strategy"), name)
+        if dynamic and a_strategy == "token":
+            return qm.Fp8DynamicLinear(codes, scale, bias)
+        if not dynamic and a_strategy == "tensor":
+            need("input_scale")
+            return qm.Fp8StaticLinear(codes, scale, bias, local["input_scale"].float())
+        raise unsupported(f"fp8 activations with strategy {a_strategy!r}, dynamic {dynamic}")
+    if kind == ("int", 8, "int", 8) and codes.dtype == torch.int8:
+        scale = _ct_weight_scale_per_channel(w_scale, n, w.get("strategy"), name)
+        if dynamic and a_strategy == "token":
+            return qm.Int8DynamicLinear(codes, scale, bias)
+        if not dynamic and a_strategy == "tensor":
+            need("input_scale")
+            zero_point = local.get("input_zero_point") if not a.get("symmetric", True) else None
+            if not a.get("symmetric", True) and zero_point is None:
+                raise ValueError(f"{where}: asymmetric static activations without an input_zero_point")
+            return qm.Int8StaticLinear(codes, scale, bias, local["input_scale"].float(), zero_point)
+        raise unsupported(f"int8 activations with strategy {a_strategy!r}, dynamic {dynamic}")
+    raise unsupported(f"weights {w.get('type')}{w.get('num_bits')} stored as {codes.dtype} with activations "
+                      f"{a.get('type')}{a.get('num_bits')}")
+
+
+@torch.no_grad()
+def load_compressed_tensors(directory: Union[str, os.PathLike], model_skeleton_or_hf_dir: Union[None, str,
+                            os.PathLike, nn.Module] = None, device: Optional[Union[str, torch.device]] = None,
+                            merge: bool = True) -> nn.Module:
+    """Load a compressed-tensors checkpoint written by another tool (llm-compressor, ...; "compressed" status,
+    model.safetensors or sharded with model.safetensors.index.json) into quantfuse modules.
+
+    Each nn.Linear of the model that a `config_groups` entry targets (exact name, "re:" regex or class name such
+    as "Linear") and `ignore` does not name becomes the quantfuse layer of its scheme (SUPPORTED_CT_SCHEMES:
+    W4A16 / W8A16 pack-quantized, W8A8 int8 and fp8 with dynamic per-token or static per-tensor activations, fp8
+    128x128 blocks); a per-tensor weight scale is repeated per channel (exact). The codes, scales and zero points
+    are used as stored; the other tensors load into the float model. Anything else raises a ValueError naming the
+    group and the layer. `model_skeleton_or_hf_dir` and `device` as for `load_quantized`; `merge`: run sibling
+    projections fed one tensor as one GEMM (`modules.merge_projections`)."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"directory: expected a checkpoint directory, got {directory!r} (no such directory)")
+    qc = _ct_config(directory)
+    if qc is None:
+        raise ValueError(f"directory: {os.path.join(directory, CONFIG_FILE)} holds no compressed-tensors "
+                         "quantization_config (quant_method 'compressed-tensors')")
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise ValueError(f"quantization_config: expected quantization_status 'compressed' (codes and scales "
+                         f"stored), got {status!r}")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError("quantization_config: expected a non-empty 'config_groups' object")
+    tensors = _load_safetensors(directory)
+    if isinstance(model_skeleton_or_hf_dir, nn.Module):
+        model = model_skeleton_or_hf_dir
+    else:
+        model = _skeleton_from_hf(directory if model_skeleton_or_hf_dir is None
+                                  else os.fspath(model_skeleton_or_hf_dir))
+    model = model.to("cpu")
+
+    chosen: List[Tuple[str, str, dict]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or _ct_matches(name, module, qc.get("ignore")):
+            continue
+        hits = [(g, body) for g, body in groups.items()
+                if isinstance(body, dict) and _ct_matches(name, module, body.get("targets"))]
+        if len(hits) > 1:
+            exact = [(g, body) for g, body in hits if name in (body.get("targets") or ())]
+            hits = exact if len(exact) == 1 else hits
+        if len(hits) > 1:
+            raise ValueError(f"quantization_config: layer '{name}' is targeted by several groups "
+                             f"{[g for g, _ in hits]}")
+        if hits:
+            chosen.append((name, *hits[0]))
+    if not chosen:
+        raise ValueError("quantization_config: its config_groups target no nn.Linear layer of the model; is it the "
+                         "same architecture?")
+    prefixes = []
+    for name, group_name, body in chosen:
+        fmt = body.get("format") or qc.get("format")
+        local = _local(tensors, f"{name}.")
+        layer = _ct_layer(name, group_name, body, fmt, local)
+        unused = sorted(set(local) - set(layer.checkpoint_tensors()))
+        if unused:  # e.g. a weight_g_idx (activation order) or a zero point of a symmetric scheme: never dropped
+            raise ValueError(f"quantization_config group '{group_name}' (layer '{name}'): the checkpoint's "
+                             f"{unused} have no place in its scheme")
+        _check_skeleton_layer(model, name, layer)
+        _set_module(model, name, layer)
+        prefixes.append(f"{name}.")
+    _load_float_tensors(model, tensors, tuple(prefixes), directory)
+    if merge:
+        qm.merge_projections(model)
+    model.eval()
+    if device is not None:
+        model.to(device)
+    return model
+
+
+__all__ = ["save_quantized", "load_quantized", "load_compressed_tensors", "compressed_tensors_config",
+           "checkpoint_state", "SUPPORTED_CT_SCHEMES"]

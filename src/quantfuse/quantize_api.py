@@ -584,8 +584,8 @@ def linear_weight_nbytes(model: nn.Module) -> int:
     return total
 
 
-from .checkpoint import load_quantized, save_quantized  # noqa: E402  (re-exported)
+from .checkpoint import load_compressed_tensors, load_quantized, save_quantized  # noqa: E402  (re-exported)
 
 __all__ = ["quantize_", "QuantConfig", "Int8DynamicConfig", "Int8StaticConfig", "Fp8DynamicConfig",
            "Fp8StaticConfig", "Fp8BlockConfig", "Int4WeightOnlyConfig", "Int8WeightOnlyConfig", "config_for_scheme",
-           "save_quantized", "load_quantized", "CONFIGS"]
+           "save_quantized", "load_quantized", "load_compressed_tensors", "CONFIGS"]

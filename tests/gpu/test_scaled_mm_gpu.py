@@ -111,6 +111,24 @@ def test_epilogues_and_granularities(dtype, out_dtype, per_token, per_channel, b
     assert_within_bound(out, a, b, sa, sb, bias)
 
 
+@pytest.mark.parametrize("dtype", [INT8, FP8])
+@pytest.mark.parametrize("m,k,n", [(300, 128, 128), (259, 4096, 6144), (700, 4096, 4096)])
+def test_float32_output_where_the_wide_tile_does_not_fit(dtype, m, k, n):
+    """float32 output where the wave rule ties the 128x256 tl tile with the 128x128 one: the wide tile would ask
+    278552 bytes of shared memory (fp8 300x128x128 failed to compile before the dispatch checked it); with b
+    K-contiguous (fp8 there: the tl tiles) and N-contiguous (no Gluon kernel, both dtypes)."""
+    a, b = _operands(m, k, n, dtype)
+    sa, sb = _scales(m, n)
+    bias = torch.randn(n, device="cuda")
+    for b_ in (b, b.contiguous()):
+        out = qf.scaled_mm(a, b_, sa, sb, torch.float32, bias)
+        assert out.dtype == torch.float32
+        assert_within_bound(out, a, b_, sa, sb, bias)
+        if dtype == INT8:  # exact sums, one epilogue: the bf16 output is the float32 one rounded
+            out16 = qf.scaled_mm(a, b_, sa, sb, torch.bfloat16, bias)
+            assert torch.equal(out16, out.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (16, 14336, 4096), (17, 3420, 1280), (1024, 4096, 4096), (4096, 971, 1024)])
 def test_zero_point_epilogues_exact_int32(m, k, n):
     a, b = _operands(m, k, n, INT8)

@@ -746,6 +746,32 @@ def test_large_m_table_runs_tma_persistent_first(monkeypatch):
     assert (int8_long_k_1024.block_n, int8_long_k_1024.persistent) == (128, 2)
 
 
+def test_float32_output_skips_tiles_over_the_shared_memory(monkeypatch):
+    """A float32 output doubles what the tl tile's store stages in shared memory: the 128x256x128 3-stage tile
+    would need 278528 bytes (+ barriers; the H100 compile failed asking 278552 of 232448), so with 4-byte outputs
+    the dispatch takes the next tile; 16-bit outputs pick exactly as before."""
+    monkeypatch.setattr(kmm, "arch_key", lambda *a: "sm90")
+    monkeypatch.setattr(kmm, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kmm, "smem_limit", lambda device: 232448)
+    monkeypatch.setattr(kmm, "_autotune_enabled", lambda: False)
+    dev = torch.device("cuda")
+    wide = kmm.MMConfig(128, 256, 128, 8, 3, 16, tma=True, persistent=1)
+    assert kmm.tile_smem_bytes(wide, 4) == 278528 and kmm.tile_smem_bytes(wide, 2) == 212992
+    for m, n, k in [(300, 128, 128), (259, 6144, 4096), (4096, 8192, 28672)]:
+        assert kmm._pick_config(kmm.CONFIGS, m, n, k, dev, None, None, tma_ok=True, ws_ok=False) == wide
+        picked = kmm._pick_config(kmm.CONFIGS, m, n, k, dev, None, None, tma_ok=True, ws_ok=False, out_size=4)
+        assert kmm.tile_smem_bytes(picked, 4) <= 232448 and (picked.block_n, picked.num_stages) == (128, 5)
+    # int8 without the Gluon kernel at a long K: its 128x256 tile leads, and gives way the same
+    int8 = kmm._pick_config(kmm.CONFIGS, 4096, 8192, 28672, dev, None, None, "int8", True, False, 4)
+    assert kmm.tile_smem_bytes(int8, 4) <= 232448
+    # the Gluon candidates are not tl tiles and stay; nothing fits: the fallback tile
+    assert isinstance(kmm._pick_config(kmm.CONFIGS, 4096, 8192, 4096, dev, None, None, "int8", True, True, 4),
+                      kmm.WsConfig)
+    monkeypatch.setattr(kmm, "smem_limit", lambda device: 100_000)
+    assert kmm._pick_config(kmm.CONFIGS, 4096, 8192, 4096, dev, None, None, "int8", True, False, 4) \
+        == kmm._FALLBACK_TILE
+
+
 def test_wave_efficiency_and_int8_rows():
     cfg = kmm.MMConfig(128, 256, 128, 8, 3)
     assert kmm.wave_efficiency(1024, 6144, cfg, 132) == pytest.approx(192 / 264)

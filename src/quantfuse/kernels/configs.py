@@ -82,6 +82,19 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.type, device.index)
 
 
+@lru_cache(maxsize=None)
+def _smem_limit(device_type: str, index) -> int:
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return 1 << 30  # the interpreter (and host-only dispatch tests) have no shared memory limit
+    props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or (1 << 30))
+
+
+def smem_limit(device: torch.device) -> int:
+    """Shared memory one program may use on `device` (opt-in maximum: 232448 bytes on the H100); cached."""
+    return _smem_limit(device.type, device.index)
+
+
 def max_partials(device: torch.device) -> int:
     """Programs of a grid-stride reduction: two per SM, so the partials fit one 1024-wide block."""
     return min(1024, 2 * sm_count(device))

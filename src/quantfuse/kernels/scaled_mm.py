@@ -56,7 +56,7 @@ import triton.language as tl
 
 from ._common import (INTERPRET, cast_to, cdiv, describable, describable_transposed, descriptor, grid_dependency_sync,
                       launch_kernel, pdl_launch_options, persistent_grid, remember_plan, tile_coords, tma_variant)
-from .configs import arch_key, sm_count, split_k_reduce_pdl
+from .configs import arch_key, sm_count, smem_limit, split_k_reduce_pdl
 
 if TYPE_CHECKING:  # imported lazily at run time (blockwise_wgmma imports this module)
     from .blockwise_wgmma import WgmmaConfig
@@ -721,18 +721,31 @@ def _ws_pick(candidates: List[WsConfig], m: int, n: int, k: int, sms: int) -> Ws
     return first
 
 
+def tile_smem_bytes(cfg: MMConfig, out_size: int, in_size: int = 1) -> int:
+    """Shared memory a tl tile asks for: its num_stages operand slots, plus the output tile that the store's layout
+    conversion stages (out_size bytes per element). Exact for the 128x256 fp8 tile on the H100 up to its barriers:
+    278528 + 24 bytes with float32 output (out of 232448), which is why a float32 output excludes it."""
+    return cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * in_size + cfg.block_m * cfg.block_n * out_size
+
+
+# the tl tile left where no listed one fits the shared memory (any output dtype)
+_FALLBACK_TILE = MMConfig(128, 128, 64, 8, 3)
+
+
 def _table_key(table, device: torch.device, flavor: Optional[str]) -> str:
     arch = arch_key(device.type, device.index)
     return f"{arch}_{flavor}" if flavor and f"{arch}_{flavor}" in table else arch
 
 
 def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple, run,
-                 flavor: Optional[str] = None, tma_ok: bool = True, ws_ok: bool = False) -> MMConfig:
+                 flavor: Optional[str] = None, tma_ok: bool = True, ws_ok: bool = False,
+                 out_size: int = 2) -> MMConfig:
     """The bucket's first candidate (past SPLIT_K_MAX_M the Gluon kernel by `_ws_pick` from WS_MIN_ROUND_FILL of a
     round of its tiles, else the first with full waves; up to it the Gluon kernel where its rows fill WS_MIN_ROW_FILL
     of its tiles; with autotuning the fastest). Without describable operands (tma_ok False) the TMA candidates are
     skipped: their pointer-load fallback is a tile nobody measured for that shape; WsConfig candidates only where
-    the Gluon kernel applies (ws_ok)."""
+    the Gluon kernel applies (ws_ok). tl tiles whose shared memory (`tile_smem_bytes` with out_size-byte outputs;
+    4 where split-K partials may be stored) exceeds the device's are skipped (_FALLBACK_TILE if none is left)."""
     if device.type != "cuda":
         return _INTERPRET_CONFIG
     table_key = _table_key(table, device, flavor)
@@ -741,6 +754,11 @@ def _pick_config(table, m: int, n: int, k: int, device: torch.device, key: tuple
         candidates = [c for c in candidates if not isinstance(c, WsConfig)]
     if not tma_ok:
         candidates = [c for c in candidates if not c.tma] or candidates
+    limit, stored = smem_limit(device), max(out_size, 4) if m <= SPLIT_K_MAX_M else out_size
+    fitting = [c for c in candidates if isinstance(c, WsConfig) or tile_smem_bytes(c, stored) <= limit]
+    if not any(not isinstance(c, WsConfig) for c in fitting):
+        fitting.append(_FALLBACK_TILE)
+    candidates = fitting
     if not _autotune_enabled() or len(candidates) == 1:
         ws = [c for c in candidates if isinstance(c, WsConfig)]
         tl = [c for c in candidates if not isinstance(c, WsConfig)]
@@ -890,7 +908,7 @@ def scaled_mm(
             plan = _PLANS.get(plan_key)
             if plan is None:  # (geometry of the whole call, rows of a row split's first call or 0)
                 cfg = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch, None if is_fp8 else "int8", tma_ok,
-                                   ws_ok())
+                                   ws_ok(), out.element_size())
                 plan = (geometry(cfg), row_split(m, n, k, a2d.element_size(), cfg, sm_count(a2d.device),
                                                  arch_key(a2d.device.type, a2d.device.index)))
                 remember_plan(_PLANS, plan_key, plan)
@@ -904,7 +922,7 @@ def scaled_mm(
                                   split_rows)
     if config is None:
         config = _pick_config(CONFIGS, m, n, k, a2d.device, key, launch, None if is_fp8 else "int8", tma_ok,
-                              ws_ok())
+                              ws_ok(), out.element_size())
     return launch(config)
 
 
@@ -996,7 +1014,7 @@ def scaled_mm_blockwise(
         split_rows = _PLANS.get(key)
         if split_rows is None:
             cfg = (bw.pick_config(m, n, a2d.device) if gluon else
-                   _pick_config(BLOCKWISE_CONFIGS, m, n, k, a2d.device, key, None))
+                   _pick_config(BLOCKWISE_CONFIGS, m, n, k, a2d.device, key, None, out_size=out.element_size()))
             split_rows = row_split(m, n, k, 1, cfg, sm_count(a2d.device), arch_key(a2d.device.type, a2d.device.index),
                                    "blockwise")
             remember_plan(_PLANS, key, split_rows)
@@ -1037,7 +1055,7 @@ def scaled_mm_blockwise(
 
     if config is None:
         key = ("blockwise", m, n, k, b.stride(0) == 1, bias is not None, out_dtype)
-        config = _pick_config(BLOCKWISE_CONFIGS, m, n, k, a2d.device, key, launch)
+        config = _pick_config(BLOCKWISE_CONFIGS, m, n, k, a2d.device, key, launch, out_size=out.element_size())
     if a2d.device.type == "cuda" and config.variant in _GPU_INACCURATE_VARIANTS:
         raise ValueError(
             f"config.variant: {config.variant} lets the tensor cores accumulate the whole K at their reduced "

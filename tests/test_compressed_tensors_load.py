@@ -1,0 +1,193 @@
+"""Loading compressed-tensors checkpoints that another tool wrote (no quantfuse.json): `load_compressed_tensors`,
+and `load_quantized`'s fallback to it. Round trips through our own writer with quantfuse.json removed, and
+hand-written llm-compressor-style checkpoints (class and regex targets, an ignore list, per-tensor weight
+scales, sharded safetensors with an index)."""
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from quantfuse import modules as qm
+from quantfuse.checkpoint import QUANTFUSE_FILE, load_compressed_tensors, load_quantized, save_quantized
+from quantfuse.quantize_api import (
+    Fp8BlockConfig,
+    Fp8DynamicConfig,
+    Fp8StaticConfig,
+    Int4WeightOnlyConfig,
+    Int8DynamicConfig,
+    Int8StaticConfig,
+    Int8WeightOnlyConfig,
+    quantize_,
+)
+from tests.test_model_api import TinyLlama, _ids
+
+FP8 = torch.float8_e4m3fn
+
+# fused gated MLPs are written as their three layers and load as such: unfused configs compare bit for bit
+ROUND_TRIP = [Int8DynamicConfig(fuse_gated_mlp=False), Int8StaticConfig(symmetric=False),
+              Fp8DynamicConfig(fuse_gated_mlp=False), Fp8StaticConfig(), Fp8BlockConfig(fuse_gated_mlp=False),
+              Int4WeightOnlyConfig(group_size=64, symmetric=False), Int4WeightOnlyConfig(scale_dtype=torch.bfloat16),
+              Int8WeightOnlyConfig()]
+
+
+@pytest.mark.parametrize("config", ROUND_TRIP, ids=[f"{c.scheme}-{i}" for i, c in enumerate(ROUND_TRIP)])
+def test_our_files_without_quantfuse_json_load_from_the_config(config, tmp_path):
+    torch.manual_seed(31)
+    model = TinyLlama().eval()
+    quantize_(model, config, calibration_data=_ids() if config.needs_calibration else None, progress=False)
+    save_quantized(model, tmp_path)
+    os.remove(tmp_path / QUANTFUSE_FILE)
+    loaded = load_quantized(tmp_path, TinyLlama())  # falls back to load_compressed_tensors
+    ours = {n: m for n, m in model.named_modules() if isinstance(m, qm.QuantizedLinear)}
+    theirs = {n: m for n, m in loaded.named_modules() if isinstance(m, qm.QuantizedLinear)}
+    assert sorted(ours) == sorted(theirs) and len(ours) == 8  # 2 blocks x (q, gate, up, down); lm_head skipped
+    for name, layer in ours.items():
+        assert type(theirs[name]) is type(layer), name
+        for key, t in layer.checkpoint_tensors().items():
+            assert torch.equal(theirs[name].checkpoint_tensors()[key], t), (name, key)
+    assert isinstance(loaded.lm_head, nn.Linear) and torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    assert sorted(qm.merged_groups(loaded)) == sorted(qm.merged_groups(model))
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+
+
+def _write(directory, tensors, quantization_config, shards=1):
+    """A checkpoint directory: config.json with the quantization_config, tensors in `shards` files (an index
+    json when more than one)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({"quantization_config": quantization_config}, f)
+    if shards == 1:
+        save_file(tensors, os.path.join(directory, "model.safetensors"))
+        return
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i::shards]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k].contiguous() for k in part}, os.path.join(directory, fname))
+        weight_map.update({k: fname for k in part})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def _args(num_bits, type_, strategy, dynamic=False, symmetric=True, group_size=None):
+    return {"num_bits": num_bits, "type": type_, "strategy": strategy, "dynamic": dynamic, "symmetric": symmetric,
+            "group_size": group_size}
+
+
+def _foreign_checkpoint(directory, shards=2):
+    """What llm-compressor writes for a mixed recipe: q_proj fp8 with a per-tensor weight scale and a static input
+    scale (targets by regex), every other Linear but lm_head W4A16 g64 pack-quantized with bfloat16 scales
+    (targets by class name), lm_head ignored. Returns (float model, the expected quantfuse layers by name)."""
+    torch.manual_seed(32)
+    model = TinyLlama().eval()
+    tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    expected = {}
+    for name, lin in model.named_modules():
+        if not isinstance(lin, nn.Linear) or name == "lm_head":
+            continue
+        for key in [k for k in tensors if k.startswith(name + ".")]:
+            del tensors[key]
+        w = lin.weight.detach()
+        if name.endswith("q_proj"):
+            s_w = (w.abs().max() / 448).reshape(1)
+            codes = (w / s_w).clamp(-448, 448).to(FP8)
+            s_x = torch.tensor([0.03])
+            layer_tensors = {"weight": codes, "weight_scale": s_w, "input_scale": s_x}
+            expected[name] = qm.Fp8StaticLinear(codes, s_w.expand(w.shape[0], 1), lin.bias, s_x)
+        else:
+            ref = qm.WeightOnlyLinear.from_linear(lin, bits=4, group_size=64, scale_dtype=torch.bfloat16)
+            layer_tensors = dict(ref.checkpoint_tensors())
+            expected[name] = ref
+        if lin.bias is not None:
+            layer_tensors["bias"] = lin.bias.detach().clone()
+        tensors.update({f"{name}.{k}": v for k, v in layer_tensors.items()})
+    qc = {"quant_method": "compressed-tensors", "format": "mixed-precision", "quantization_status": "compressed",
+          "ignore": ["lm_head"],
+          "config_groups": {
+              "group_0": {"targets": ["re:.*q_proj$"], "format": "float-quantized",
+                          "weights": _args(8, "float", "tensor"), "input_activations": _args(8, "float", "tensor")},
+              "group_1": {"targets": ["re:.*mlp\\..*_proj$"], "format": "pack-quantized",
+                          "weights": _args(4, "int", "group", group_size=64), "input_activations": None}}}
+    _write(directory, tensors, qc, shards)
+    return model, expected, tensors, qc
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_a_foreign_mixed_checkpoint(shards, tmp_path):
+    model, expected, _, _ = _foreign_checkpoint(tmp_path, shards)
+    loaded = load_compressed_tensors(tmp_path, TinyLlama())
+    for name, want in expected.items():
+        got = loaded.get_submodule(name)
+        assert type(got) is type(want), name
+        for key, t in want.checkpoint_tensors().items():
+            assert torch.equal(got.checkpoint_tensors()[key], t), (name, key)
+    q = loaded.layers[0].q_proj
+    assert q.weight_scale.shape == (128, 1) and bool((q.weight_scale == q.weight_scale[0]).all())
+    assert type(loaded.lm_head) is nn.Linear and torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    assert torch.equal(loaded.embed_tokens.weight, model.embed_tokens.weight)
+    assert sorted(qm.merged_groups(loaded)) == [("layers.0.mlp.gate_proj", "layers.0.mlp.up_proj"),
+                                               ("layers.1.mlp.gate_proj", "layers.1.mlp.up_proj")]
+    # the same model assembled by hand from the expected layers computes the same, bit for bit
+    for name, layer in expected.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+
+
+def _edit(directory, tensors, qc):
+    for f in os.listdir(directory):
+        os.remove(os.path.join(directory, f))
+    _write(directory, tensors, qc, shards=1)
+
+
+def test_foreign_checkpoint_errors(tmp_path):
+    _, _, tensors, qc = _foreign_checkpoint(tmp_path, shards=1)
+    bad = json.loads(json.dumps(qc))
+    bad["quantization_status"] = "frozen"
+    _edit(tmp_path, tensors, bad)
+    with pytest.raises(ValueError, match="quantization_status 'compressed'"):
+        load_compressed_tensors(tmp_path, TinyLlama())
+    bad = json.loads(json.dumps(qc))
+    bad["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    _edit(tmp_path, tensors, bad)
+    with pytest.raises(ValueError, match=r"group 'group_0' \(layer 'layers.0.q_proj'.*asymmetric weights.*quantfuse "
+                                         r"runs"):
+        load_compressed_tensors(tmp_path, TinyLlama())
+    no_scale = {k: v for k, v in tensors.items() if k != "layers.1.q_proj.input_scale"}
+    _edit(tmp_path, no_scale, qc)
+    with pytest.raises(ValueError, match="layers.1.q_proj.*no input_scale"):
+        load_compressed_tensors(tmp_path, TinyLlama())
+    extra = dict(tensors, **{"layers.0.mlp.up_proj.weight_g_idx": torch.zeros(128, dtype=torch.int32)})
+    _edit(tmp_path, extra, qc)
+    with pytest.raises(ValueError, match=r"\['weight_g_idx'\] have no place"):
+        load_compressed_tensors(tmp_path, TinyLlama())
+    stray = dict(tensors, **{"layers.0.norm.running_thing": torch.zeros(1)})
+    _edit(tmp_path, stray, qc)
+    with pytest.raises(ValueError, match="does not match the model.*unexpected"):
+        load_compressed_tensors(tmp_path, TinyLlama())
+    bad = json.loads(json.dumps(qc))
+    bad["config_groups"] = {"g": dict(qc["config_groups"]["group_0"], targets=["Conv2d"])}
+    _edit(tmp_path, tensors, bad)
+    with pytest.raises(ValueError, match="target no nn.Linear"):
+        load_compressed_tensors(tmp_path, TinyLlama())
+    bad = json.loads(json.dumps(qc))
+    bad["config_groups"]["group_2"] = dict(qc["config_groups"]["group_0"], targets=["Linear"])
+    _edit(tmp_path, tensors, bad)
+    with pytest.raises(ValueError, match="targeted by several groups"):
+        load_compressed_tensors(tmp_path, TinyLlama())
+    bad = dict(qc, quant_method="gptq")
+    _edit(tmp_path, tensors, bad)
+    with pytest.raises(ValueError, match="no compressed-tensors quantization_config"):
+        load_compressed_tensors(tmp_path, TinyLlama())
+    with pytest.raises(FileNotFoundError, match="missing quantfuse.json"):  # no fallback without the config
+        load_quantized(tmp_path, TinyLlama())
