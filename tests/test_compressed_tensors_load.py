@@ -191,3 +191,83 @@ def test_foreign_checkpoint_errors(tmp_path):
         load_compressed_tensors(tmp_path, TinyLlama())
     with pytest.raises(FileNotFoundError, match="missing quantfuse.json"):  # no fallback without the config
         load_quantized(tmp_path, TinyLlama())
+
+
+# (format, weights, input_activations, expected quantfuse class): schemes whose tensors compressed-tensors' own
+# compressors write below
+CT_WRITER_CASES = {
+    "w4a16_g64": ("pack-quantized", dict(num_bits=4, type="int", strategy="group", group_size=64), None,
+                  qm.WeightOnlyLinear),
+    "w4a16_g128_asym": ("pack-quantized", dict(num_bits=4, type="int", strategy="group", group_size=128,
+                                               symmetric=False), None, qm.WeightOnlyLinear),
+    "w8a16_channel": ("pack-quantized", dict(num_bits=8, type="int", strategy="channel"), None, qm.WeightOnlyLinear),
+    "w8a8_int8_dynamic": ("int-quantized", dict(num_bits=8, type="int", strategy="channel"),
+                          dict(num_bits=8, type="int", strategy="token", dynamic=True), qm.Int8DynamicLinear),
+    "w8a8_fp8_static": ("float-quantized", dict(num_bits=8, type="float", strategy="channel"),
+                        dict(num_bits=8, type="float", strategy="tensor", dynamic=False), qm.Fp8StaticLinear),
+    "w8a8_fp8_tensor_dynamic": ("float-quantized", dict(num_bits=8, type="float", strategy="tensor"),
+                                dict(num_bits=8, type="float", strategy="token", dynamic=True), qm.Fp8DynamicLinear),
+}
+
+
+def _ct_scales(w, weights):
+    """Scales (and zero points) for `w` [N, K] by the args, as a calibration would set them."""
+    qmax = 448.0 if weights["type"] == "float" else float(2 ** (weights["num_bits"] - 1) - 1)
+    strategy, n, k = weights["strategy"], w.shape[0], w.shape[1]
+    if strategy == "group":
+        g = weights["group_size"]
+        blocks = w.reshape(n, k // g, g)
+        if weights.get("symmetric", True):
+            return {"weight_scale": (blocks.abs().amax(-1) / qmax).to(torch.bfloat16)}
+        lo, hi = blocks.amin(-1).clamp(max=0), blocks.amax(-1).clamp(min=0)
+        levels = 2 ** weights["num_bits"] - 1
+        scale = ((hi - lo) / levels).to(torch.bfloat16)
+        zp = (-(2 ** (weights["num_bits"] - 1)) - torch.round(lo / scale.float())).clamp(-8, 7).to(torch.int8)
+        return {"weight_scale": scale, "weight_zero_point": zp}
+    if strategy == "channel":
+        return {"weight_scale": w.abs().amax(1, keepdim=True) / qmax}
+    return {"weight_scale": (w.abs().amax() / qmax).reshape(1)}
+
+
+@pytest.mark.parametrize("case", list(CT_WRITER_CASES))
+def test_tensors_packed_by_compressed_tensors_load_bit_exact(case, tmp_path):
+    """compressed-tensors' own compressors quantize and pack every Linear but lm_head (their code, their layout);
+    the loaded quantfuse layers dequantize to what their decompressor returns, bit for bit, and compute their
+    scheme on the CPU."""
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    fmt, weights, acts, layer_cls = CT_WRITER_CASES[case]
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
+                                input_activations=None if acts is None else QuantizationArgs(**acts))
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    torch.manual_seed(33)
+    model = TinyLlama().eval()
+    tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    compressed = {}
+    for name, lin in model.named_modules():
+        if not isinstance(lin, nn.Linear) or name == "lm_head":
+            continue
+        local = {"weight": lin.weight.detach().clone(), **_ct_scales(lin.weight.detach(), weights)}
+        if acts is not None and not acts.get("dynamic"):
+            local["input_scale"] = torch.tensor([0.05])
+        out = compressor.compress(local, scheme)
+        del tensors[f"{name}.weight"]
+        tensors.update({f"{name}.{k}": v for k, v in out.items()})
+        compressed[name] = out
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
+                            ignore=["lm_head"])
+    _write(tmp_path, tensors, json.loads(json.dumps(qc.model_dump(), default=str)))
+    loaded = load_quantized(tmp_path, TinyLlama())
+    for name, out in compressed.items():
+        layer = loaded.get_submodule(name)
+        assert type(layer) is layer_cls, (name, type(layer))
+        theirs = compressor.decompress(dict(out), scheme)["weight"]
+        assert torch.equal(layer.dequantized_weight(theirs.dtype), theirs), name
+    ids = torch.randint(0, 64, (2, 6))
+    with torch.no_grad():
+        y = loaded(ids)
+    assert y.shape == (2, 6, 64) and torch.isfinite(y).all()
+    with torch.no_grad():
+        assert torch.nn.functional.cosine_similarity(y.flatten(), model(ids).flatten(), dim=0) > 0.98
