@@ -19,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_model_layer import SCHEMES, build_layer, layer_fn  # noqa: E402
+from bench_model_layer import SCHEMES, build_layer, calibration_batches, layer_fn  # noqa: E402
 from common import time_ms  # noqa: E402
 
 import quantfuse as qf  # noqa: E402
@@ -47,7 +47,9 @@ def main():
     layers = {"bf16": base}
     for name in names:
         q = copy.deepcopy(base)
-        qf.quantize_(q, SCHEMES[name](), progress=False)
+        config = SCHEMES[name]()
+        qf.quantize_(q, config, calibration_data=calibration_batches(rope) if config.needs_calibration else None,
+                     progress=False)
         layers[name] = q
     inputs = [(torch.randn(1, tokens, base.self_attn.q_proj.in_features, device="cuda", dtype=torch.bfloat16),
                torch.arange(tokens, device="cuda").unsqueeze(0)) for _ in range(2)]
