@@ -13,6 +13,7 @@ points of each. Here M is drawn around every band edge and K, N (including ones 
 128, where the ops allow them) at random, with the layouts and options of each op, so an off-by-one at a band edge
 or a mask missed for an odd size shows up as a bound violation or a non-finite output."""
 
+import os
 import random
 
 import pytest
@@ -36,7 +37,8 @@ DEV = "cuda"
 # M around the dispatch's band edges (decode kernels, mma tiles, Gluon wgmma / warp-specialized bands, cuBLAS)
 M_EDGES = [1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 383, 511,
            512, 513, 639, 767, 1023, 1024, 1025, 1535, 2048, 2049]
-CASES = 40
+# QUANTFUSE_FUZZ_CASES: more seeds for a longer sweep (a failing seed reproduces at any count)
+CASES = int(os.environ.get("QUANTFUSE_FUZZ_CASES", "40"))
 
 
 def _m(rng: random.Random, cap: int) -> int:
