@@ -28,6 +28,7 @@ def main():
         fn = getattr(fz, name)
         failures = 0
         peak = 0
+        torch.cuda.reset_peak_memory_stats()
         for seed in range(cases):
             try:
                 fn(seed)
@@ -39,8 +40,9 @@ def main():
             if seed % 50 == 49:
                 print(f"  {name} after {seed + 1}: {allocated() / 2**20:.1f} MiB allocated", flush=True)
         print(f"{name}: {cases} cases, {failures} assertion failures, allocated after "
-              f"{allocated() / 2**20:.1f} MiB (start {start / 2**20:.1f}), "
-              f"max reserved {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB", flush=True)
+              f"{allocated() / 2**20:.1f} MiB (start {start / 2**20:.1f}), between cases at most "
+              f"{peak / 2**30:.2f} GiB, this op's max reserved {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB",
+              flush=True)
 
 
 if __name__ == "__main__":

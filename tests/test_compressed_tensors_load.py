@@ -84,8 +84,8 @@ def _args(num_bits, type_, strategy, dynamic=False, symmetric=True, group_size=N
 
 def _foreign_checkpoint(directory, shards=2):
     """What llm-compressor writes for a mixed recipe: q_proj fp8 with a per-tensor weight scale and a static input
-    scale (targets by regex), every other Linear but lm_head W4A16 g64 pack-quantized with bfloat16 scales
-    (targets by class name), lm_head ignored. Returns (float model, the expected quantfuse layers by name)."""
+    scale, the MLP's projections W4A16 g64 pack-quantized with bfloat16 scales (both groups target by regex),
+    lm_head ignored. Returns (float model, the expected quantfuse layers by name, the tensors, the config)."""
     torch.manual_seed(32)
     model = TinyLlama().eval()
     tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -180,11 +180,29 @@ def test_foreign_checkpoint_errors(tmp_path):
     _edit(tmp_path, tensors, bad)
     with pytest.raises(ValueError, match="target no nn.Linear"):
         load_compressed_tensors(tmp_path, TinyLlama())
-    bad = json.loads(json.dumps(qc))
-    bad["config_groups"]["group_2"] = dict(qc["config_groups"]["group_0"], targets=["Linear"])
-    _edit(tmp_path, tensors, bad)
-    with pytest.raises(ValueError, match="targeted by several groups"):
+    for change, match in [
+        (lambda c: c["config_groups"]["group_1"]["weights"].update(symmetric=False), "no weight_zero_point"),
+        (lambda c: c["config_groups"]["group_1"]["weights"].update(group_size=128), r"\(expected \(256, 1\)\)"),
+        (lambda c: c["config_groups"]["group_1"]["weights"].update(group_size=None), "group_size None"),
+        (lambda c: c.update(transform_config={"config_groups": {"u": {}}}), "transforms"),
+        (lambda c: c.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "KV cache"),
+        (lambda c: c.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparse weights"),
+        (lambda c: c["config_groups"]["group_0"].update(output_activations=_args(8, "float", "tensor")),
+         "quantized outputs"),
+        (lambda c: c["config_groups"]["group_0"]["input_activations"].update(symmetric=False),
+         "asymmetric activations other than static int8"),
+    ]:
+        bad = json.loads(json.dumps(qc))
+        change(bad)
+        _edit(tmp_path, tensors, bad)
+        with pytest.raises(ValueError, match=match):
+            load_compressed_tensors(tmp_path, TinyLlama())
+    nested = dict(tensors, **{"layers.0.mlp.down_proj.hadamard_input.weight": torch.zeros(4, 4)})
+    _edit(tmp_path, nested, qc)
+    with pytest.raises(ValueError, match="tensors of submodules of the layer"):
         load_compressed_tensors(tmp_path, TinyLlama())
+    with pytest.raises(ValueError, match="has no quantfuse.json; as a compressed-tensors checkpoint"):
+        load_quantized(tmp_path, TinyLlama())
     bad = dict(qc, quant_method="gptq")
     _edit(tmp_path, tensors, bad)
     with pytest.raises(ValueError, match="no compressed-tensors quantization_config"):
@@ -271,3 +289,67 @@ def test_tensors_packed_by_compressed_tensors_load_bit_exact(case, tmp_path):
     assert y.shape == (2, 6, 64) and torch.isfinite(y).all()
     with torch.no_grad():
         assert torch.nn.functional.cosine_similarity(y.flatten(), model(ids).flatten(), dim=0) > 0.98
+
+
+class _SubLinear(nn.Linear):
+    """An nn.Linear subclass (as some model files define): a class target "Linear" still matches it."""
+
+
+def test_group_resolution_as_compressed_tensors_does(tmp_path):
+    """An exact name before a regex before a class name (anywhere in the class hierarchy); a target string listed by
+    two groups belongs to the later one."""
+    _, expected, tensors, qc = _foreign_checkpoint(tmp_path, shards=1)
+
+    def skeleton():
+        model = TinyLlama()
+        for layer in model.layers:
+            old = layer.q_proj
+            layer.q_proj = _SubLinear(old.in_features, old.out_features, bias=old.bias is not None)
+        return model
+
+    # q_proj by class name through the subclass; the MLP's regex beats the class target
+    by_class = json.loads(json.dumps(qc))
+    by_class["config_groups"]["group_0"]["targets"] = ["Linear"]
+    _edit(tmp_path, tensors, by_class)
+    loaded = load_compressed_tensors(tmp_path, skeleton())
+    for name, want in expected.items():
+        assert type(loaded.get_submodule(name)) is type(want), name
+    # an exact name beats the regex: up_proj now takes group_3's scheme (8-bit packing), which its tensors refuse
+    exact = json.loads(json.dumps(qc))
+    exact["config_groups"]["group_3"] = dict(qc["config_groups"]["group_1"], targets=["layers.0.mlp.up_proj"],
+                                             weights=_args(8, "int", "channel"))
+    _edit(tmp_path, tensors, exact)
+    with pytest.raises(ValueError, match="group 'group_3' \\(layer 'layers.0.mlp.up_proj'"):
+        load_compressed_tensors(tmp_path, skeleton())
+    # the same target string in two groups: the later one
+    twice = json.loads(json.dumps(qc))
+    twice["config_groups"]["group_4"] = dict(qc["config_groups"]["group_1"], targets=["re:.*q_proj$"])
+    _edit(tmp_path, tensors, twice)
+    with pytest.raises(ValueError, match="group 'group_4' \\(layer 'layers.0.q_proj'"):
+        load_compressed_tensors(tmp_path, skeleton())
+
+
+def test_tied_output_weight_and_all_zero_zero_points(tmp_path):
+    """A checkpoint that stores a tied output weight once (as transformers' save_pretrained does) loads with the
+    output layer taking the embedding's tensor; all-zero zero points of a symmetric scheme (older writers) are left
+    out, a nonzero one is refused."""
+
+    def tied():
+        model = TinyLlama()
+        model.lm_head.weight = model.embed_tokens.weight
+        return model
+
+    _, expected, tensors, qc = _foreign_checkpoint(tmp_path, shards=1)
+    del tensors["lm_head.weight"]
+    zp = torch.zeros(256 // 8, 128 // 64, dtype=torch.int32)  # packed along N for [256, 128] g64
+    with_zeros = dict(tensors, **{"layers.0.mlp.gate_proj.weight_zero_point": zp})
+    _edit(tmp_path, with_zeros, qc)
+    loaded = load_compressed_tensors(tmp_path, tied())
+    assert loaded.lm_head.weight.data_ptr() == loaded.embed_tokens.weight.data_ptr()  # one tensor, still tied
+    assert torch.equal(loaded.embed_tokens.weight, tensors["embed_tokens.weight"])
+    gate = loaded.layers[0].mlp.gate_proj
+    assert torch.equal(gate.dequantized_weight(), expected["layers.0.mlp.gate_proj"].dequantized_weight())
+    with_zeros["layers.0.mlp.gate_proj.weight_zero_point"] = zp + 1
+    _edit(tmp_path, with_zeros, qc)
+    with pytest.raises(ValueError, match=r"\['weight_zero_point'\] have no place"):
+        load_compressed_tensors(tmp_path, tied())

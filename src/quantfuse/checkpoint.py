@@ -224,7 +224,18 @@ def _load_float_tensors(model: nn.Module, tensors: Dict[str, torch.Tensor], pref
     """The checkpoint's tensors outside the quantized layers (`prefixes`) into the model: exactly the model's own
     state-dict keys there, none missing, none left over."""
     rest = {k: v for k, v in tensors.items() if not k.startswith(prefixes)}
-    expected = {k for k in model.state_dict() if not k.startswith(prefixes)}
+    state = model.state_dict()
+    expected = {k for k in state if not k.startswith(prefixes)}
+    # tied parameters (an output layer sharing the embedding's weight): writers such as transformers' save_pretrained
+    # store one of the names; the other takes the same tensor
+    by_storage: Dict[tuple, str] = {}
+    for key in sorted(rest):
+        if key in state:
+            by_storage.setdefault((state[key].untyped_storage().data_ptr(), tuple(state[key].shape)), key)
+    for key in sorted(expected - set(rest)):
+        partner = by_storage.get((state[key].untyped_storage().data_ptr(), tuple(state[key].shape)))
+        if partner is not None:
+            rest[key] = rest[partner]
     missing = sorted(expected - set(rest))
     unexpected = sorted(set(rest) - expected)
     if missing or unexpected:
@@ -245,7 +256,8 @@ def load_quantized(directory: Union[str, os.PathLike], model_skeleton_or_hf_dir:
                    nn.Module] = None, device: Optional[Union[str, torch.device]] = None) -> nn.Module:
     """Rebuild a model written by `save_quantized`: bit-exact tensors, the same quantfuse modules. A directory
     without quantfuse.json whose config.json holds a compressed-tensors `quantization_config` (a checkpoint
-    written by another tool) goes to `load_compressed_tensors`.
+    written by another tool) goes to `load_compressed_tensors` (fused gated MLPs then come back as three layers, and
+    sibling projections merged by the default groups).
 
     `model_skeleton_or_hf_dir`: a float model of the same architecture (modified in place), a Hugging
     Face model directory whose config.json describes it, or None to use the config.json saved with the
@@ -258,7 +270,14 @@ def load_quantized(directory: Union[str, os.PathLike], model_skeleton_or_hf_dir:
                                 "(no such directory)")
     if not os.path.isfile(os.path.join(directory, QUANTFUSE_FILE)) and _ct_config(directory) is not None:
         # written by another tool (llm-compressor, ...): the compressed-tensors config says what each layer is
-        return load_compressed_tensors(directory, model_skeleton_or_hf_dir, device)
+        try:
+            return load_compressed_tensors(directory, model_skeleton_or_hf_dir, device)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"{directory!r} has no {QUANTFUSE_FILE}; as a compressed-tensors checkpoint: "
+                                    f"{err}") from err
+        except ValueError as err:
+            raise ValueError(f"{directory!r} has no {QUANTFUSE_FILE}; as a compressed-tensors checkpoint: "
+                             f"{err}") from err
     for fname in (TENSORS_FILE, QUANTFUSE_FILE):
         if not os.path.isfile(os.path.join(directory, fname)):
             raise FileNotFoundError(f"directory: {directory!r} is not a quantfuse checkpoint (missing {fname}; "
@@ -363,18 +382,32 @@ def _load_safetensors(directory: str) -> Dict[str, torch.Tensor]:
     return tensors
 
 
-def _ct_matches(name: str, module: nn.Module, patterns) -> bool:
-    """compressed-tensors target / ignore matching: an exact layer name, "re:<regex>" matched at the start of the
-    name, or the module's class name (e.g. "Linear")."""
-    for pattern in patterns or ():
-        if not isinstance(pattern, str):
-            raise ValueError(f"quantization_config: expected string targets / ignore entries, got {pattern!r}")
-        if pattern.startswith("re:"):
-            if re.match(pattern[3:], name):
-                return True
-        elif pattern == name or pattern == type(module).__name__:
-            return True
-    return False
+def _ct_match_kind(name: str, module: nn.Module, pattern) -> int:
+    """How a compressed-tensors target / ignore entry matches a layer: 3 its exact name, 2 "re:<regex>" matched at
+    the start of the name, 1 the name of a class in the module's class hierarchy (e.g. "Linear"), 0 not at all."""
+    if not isinstance(pattern, str):
+        raise ValueError(f"quantization_config: expected string targets / ignore entries, got {pattern!r}")
+    if pattern.startswith("re:"):
+        return 2 if re.match(pattern[3:], name) else 0
+    if pattern == name:
+        return 3
+    return 1 if any(cls.__name__ == pattern for cls in type(module).__mro__) else 0
+
+
+def _ct_group_of(name: str, module: nn.Module, groups: dict) -> Optional[str]:
+    """The config group that quantizes a layer, resolved as compressed-tensors does: its exact name before a regex
+    (the first matching target in sorted order) before a class name; a target string listed by several groups
+    belongs to the last of them."""
+    by_target: Dict[str, Tuple[int, str]] = {}
+    for group_name, body in groups.items():
+        for target in (body.get("targets") or ()) if isinstance(body, dict) else ():
+            kind = _ct_match_kind(name, module, target)
+            if kind:
+                by_target[target] = (kind, group_name)
+    if not by_target:
+        return None
+    best = max(kind for kind, _ in by_target.values())
+    return by_target[min(t for t, (kind, _) in by_target.items() if kind == best)][1]
 
 
 def _ct_weight_scale_per_channel(scale: torch.Tensor, n: int, strategy: str, name: str) -> torch.Tensor:
@@ -403,17 +436,28 @@ def _ct_layer(name: str, group_name: str, group: dict, fmt: str, local: Dict[str
         return ValueError(f"{where}: {why}; quantfuse runs: " + "; ".join(SUPPORTED_CT_SCHEMES))
 
     bias = local.get("bias")
+    if group.get("output_activations") is not None:
+        raise unsupported("quantized outputs (output_activations)")
     if fmt == "pack-quantized":
         if a is not None:
             raise unsupported("pack-quantized weights with quantized activations")
         need("weight_packed", "weight_scale", "weight_shape")
         strategy = w.get("strategy")
         if strategy == "group":
-            group_size = int(w.get("group_size") or 0)
+            group_size = w.get("group_size")
+            if group_size not in (32, 64, 128, 256):
+                raise unsupported(f"group_size {group_size!r} (quantfuse takes 32, 64, 128, 256 or per channel)")
         elif strategy == "channel":
             group_size = -1
         else:
             raise unsupported(f"weight strategy {strategy!r}")
+        n, k = (int(v) for v in local["weight_shape"].reshape(-1).tolist()[:2])
+        groups_expected = 1 if group_size == -1 else -(-k // group_size)
+        if tuple(local["weight_scale"].shape) != (n, groups_expected):
+            raise ValueError(f"{where}: weight_scale of shape {tuple(local['weight_scale'].shape)} does not fit "
+                             f"{strategy} quantization of a [{n}, {k}] weight (expected ({n}, {groups_expected}))")
+        if not w.get("symmetric", True):
+            need("weight_zero_point")
         if w.get("num_bits") not in (4, 8) or w.get("type", "int") != "int":
             raise unsupported(f"{w.get('num_bits')}-bit {w.get('type')} packed weights")
         if w.get("actorder") not in (None, False, "static", "weight"):
@@ -428,8 +472,8 @@ def _ct_layer(name: str, group_name: str, group: dict, fmt: str, local: Dict[str
     n = codes.shape[0]
     if a is None:
         raise unsupported("unpacked weights without activation quantization (W8A16 as naive-quantized)")
-    if not w.get("symmetric", True) or (not a.get("symmetric", True) and a.get("dynamic")):
-        raise unsupported("asymmetric weights, or dynamic asymmetric activations")
+    if not w.get("symmetric", True) or (not a.get("symmetric", True) and (a.get("dynamic") or a.get("type") != "int")):
+        raise unsupported("asymmetric weights, or asymmetric activations other than static int8")
     kind = (w.get("type"), w.get("num_bits"), a.get("type"), a.get("num_bits"))
     dynamic, a_strategy = bool(a.get("dynamic")), a.get("strategy")
     if kind == ("float", 8, "float", 8) and codes.dtype == torch.float8_e4m3fn:
@@ -461,6 +505,17 @@ def _ct_layer(name: str, group_name: str, group: dict, fmt: str, local: Dict[str
                       f"{a.get('type')}{a.get('num_bits')}")
 
 
+def _drop_zero_points_of_symmetric(local: Dict[str, torch.Tensor], group: dict) -> Dict[str, torch.Tensor]:
+    """Older writers stored all-zero zero points for symmetric schemes: those say nothing and are left out (a
+    nonzero one stays, and is refused as a tensor the scheme has no place for)."""
+    out = dict(local)
+    for key, args in (("weight_zero_point", group.get("weights")),
+                      ("input_zero_point", group.get("input_activations"))):
+        if key in out and (args or {}).get("symmetric", True) and not bool(out[key].any()):
+            del out[key]
+    return out
+
+
 @torch.no_grad()
 def load_compressed_tensors(directory: Union[str, os.PathLike], model_skeleton_or_hf_dir: Union[None, str,
                             os.PathLike, nn.Module] = None, device: Optional[Union[str, torch.device]] = None,
@@ -468,13 +523,17 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], model_skeleton_o
     """Load a compressed-tensors checkpoint written by another tool (llm-compressor, ...; "compressed" status,
     model.safetensors or sharded with model.safetensors.index.json) into quantfuse modules.
 
-    Each nn.Linear of the model that a `config_groups` entry targets (exact name, "re:" regex or class name such
-    as "Linear") and `ignore` does not name becomes the quantfuse layer of its scheme (SUPPORTED_CT_SCHEMES:
-    W4A16 / W8A16 pack-quantized, W8A8 int8 and fp8 with dynamic per-token or static per-tensor activations, fp8
-    128x128 blocks); a per-tensor weight scale is repeated per channel (exact). The codes, scales and zero points
-    are used as stored; the other tensors load into the float model. Anything else raises a ValueError naming the
-    group and the layer. `model_skeleton_or_hf_dir` and `device` as for `load_quantized`; `merge`: run sibling
-    projections fed one tensor as one GEMM (`modules.merge_projections`)."""
+    Each nn.Linear of the model that a `config_groups` entry targets and `ignore` does not name becomes the
+    quantfuse layer of its scheme, the group chosen as compressed-tensors chooses it (an exact name before a
+    "re:" regex before a class name anywhere in the module's class hierarchy, such as "Linear"):
+    SUPPORTED_CT_SCHEMES, i.e. W4A16 / W8A16 pack-quantized, W8A8 int8 and fp8 with dynamic per-token or static
+    per-tensor activations, fp8 128x128 blocks; a per-tensor weight scale is repeated per channel (exact). The
+    codes, scales and zero points are used as stored (all-zero zero points of a symmetric scheme, which older
+    writers stored, are left out); the other tensors load into the float model, a tied output weight taking the
+    embedding's. Other schemes, a group size or scale shape that do not agree, a missing or leftover tensor (a
+    weight_g_idx, a submodule's tensor), transforms, sparsity, quantized outputs or KV cache: a ValueError naming
+    what and, for a layer, its group. `model_skeleton_or_hf_dir` and `device` as for `load_quantized`; `merge`: run
+    sibling projections fed one tensor as one GEMM (`modules.merge_projections`)."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"directory: expected a checkpoint directory, got {directory!r} (no such directory)")
@@ -489,6 +548,16 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], model_skeleton_o
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError("quantization_config: expected a non-empty 'config_groups' object")
+    # what would change the model's math beyond the quantized linear layers: refused rather than dropped
+    if qc.get("transform_config"):
+        raise ValueError("quantization_config: transforms (transform_config: rotated weights and online Hadamard "
+                         "transforms) are not supported")
+    sparsity = qc.get("sparsity_config")
+    if isinstance(sparsity, dict) and sparsity.get("format") not in (None, "dense"):
+        raise ValueError(f"quantization_config: sparse weights (sparsity_config format {sparsity.get('format')!r}) are "
+                         "not supported")
+    if qc.get("kv_cache_scheme") is not None:
+        raise ValueError("quantization_config: a quantized KV cache (kv_cache_scheme) is not supported")
     tensors = _load_safetensors(directory)
     if isinstance(model_skeleton_or_hf_dir, nn.Module):
         model = model_skeleton_or_hf_dir
@@ -499,25 +568,22 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], model_skeleton_o
 
     chosen: List[Tuple[str, str, dict]] = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or _ct_matches(name, module, qc.get("ignore")):
+        if not isinstance(module, nn.Linear) or any(_ct_match_kind(name, module, p) for p in qc.get("ignore") or ()):
             continue
-        hits = [(g, body) for g, body in groups.items()
-                if isinstance(body, dict) and _ct_matches(name, module, body.get("targets"))]
-        if len(hits) > 1:
-            exact = [(g, body) for g, body in hits if name in (body.get("targets") or ())]
-            hits = exact if len(exact) == 1 else hits
-        if len(hits) > 1:
-            raise ValueError(f"quantization_config: layer '{name}' is targeted by several groups "
-                             f"{[g for g, _ in hits]}")
-        if hits:
-            chosen.append((name, *hits[0]))
+        group_name = _ct_group_of(name, module, groups)
+        if group_name is not None:
+            chosen.append((name, group_name, groups[group_name]))
     if not chosen:
         raise ValueError("quantization_config: its config_groups target no nn.Linear layer of the model; is it the "
                          "same architecture?")
     prefixes = []
     for name, group_name, body in chosen:
         fmt = body.get("format") or qc.get("format")
-        local = _local(tensors, f"{name}.")
+        nested = sorted(k for k in tensors if k.startswith(f"{name}.") and "." in k[len(name) + 1:])
+        if nested:  # e.g. an online transform registered under the layer: it would be lost
+            raise ValueError(f"quantization_config group '{group_name}' (layer '{name}'): the checkpoint has "
+                             f"tensors of submodules of the layer, {nested[:3]}, which no scheme here reads")
+        local = _drop_zero_points_of_symmetric(_local(tensors, f"{name}."), body)
         layer = _ct_layer(name, group_name, body, fmt, local)
         unused = sorted(set(local) - set(layer.checkpoint_tensors()))
         if unused:  # e.g. a weight_g_idx (activation order) or a zero point of a symmetric scheme: never dropped

@@ -259,7 +259,11 @@ def run_demo(device: str = "cpu", model_dir: Optional[str] = None, schemes: Sequ
         if scheme in STATIC_CALIBRATORS:
             # one row per calibrator the scheme takes (of those asked for; all of its own when none of them),
             # then the best as the scheme's row
-            cals = [c for c in calibrators if c in STATIC_CALIBRATORS[scheme]] or list(STATIC_CALIBRATORS[scheme])
+            cals = [c for c in calibrators if c in STATIC_CALIBRATORS[scheme]]
+            if not cals:
+                cals = list(STATIC_CALIBRATORS[scheme])
+                if verbose:
+                    print(f"  {scheme}: takes none of the calibrators {list(calibrators)}; runs {cals}", flush=True)
             candidates = []
             for cal in cals:
                 m = _quantize(copy.deepcopy(base), _config(scheme, cal), batches, progress)
