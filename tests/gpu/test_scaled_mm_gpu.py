@@ -502,13 +502,17 @@ def test_blockwise_wgmma_default(monkeypatch, m, k, n, transposed_scales):
 @pytest.mark.parametrize("m,k,n", [(100, 8192, 10240), (128, 4096, 6144), (192, 14336, 4096 + 16), (253, 3424, 1000)])
 def test_blockwise_wgmma_batched_decode(monkeypatch, m, k, n):
     """96..128 and 192..256 rows take the Gluon kernel by default (blockwise_wgmma.takes_m), within the bound, also
-    replayed from a CUDA graph; 95 and 160 rows keep the tl tiles."""
+    replayed from a CUDA graph; 95 and 160 rows run the tl kernel instead, within the same bound."""
     a, b, sa, sb, bias, out32, want = _default_blockwise_checked(monkeypatch, m, k, n, False)
     assert torch.equal(_graph_replayed(lambda: qf.scaled_mm_blockwise(a, b, sa, sb, torch.float32, bias)), out32)
     spy = _spy_wgmma(monkeypatch)
-    for rows in (r for r in (95, 160) if r < m):
-        qf.scaled_mm_blockwise(a[:rows], b, sa[:rows], sb, torch.bfloat16, bias)
-    assert len(spy.calls) == 0
+    tl_spy = KernelSpy(kmm._blockwise_kernel)
+    monkeypatch.setattr(kmm, "_blockwise_kernel", tl_spy)
+    rows_run = [r for r in (95, 160) if r < m]
+    for rows in rows_run:
+        out = qf.scaled_mm_blockwise(a[:rows], b, sa[:rows], sb, torch.float32, bias)
+        assert float((out - want[:rows]).abs().mean() / want[:rows].abs().mean()) < 1e-3, rows
+    assert len(spy.calls) == 0 and len(tl_spy.calls) >= len(rows_run)
 
 
 @needs_wgmma
