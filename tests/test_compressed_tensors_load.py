@@ -82,17 +82,23 @@ def _args(num_bits, type_, strategy, dynamic=False, symmetric=True, group_size=N
             "group_size": group_size}
 
 
+def _float_model(seed):
+    """A float TinyLlama, a copy of its state dict, and its (name, nn.Linear) pairs but lm_head (the layers a
+    checkpoint writer quantizes)."""
+    torch.manual_seed(seed)
+    model = TinyLlama().eval()
+    tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    return model, tensors, linears
+
+
 def _foreign_checkpoint(directory, shards=2):
     """What llm-compressor writes for a mixed recipe: q_proj fp8 with a per-tensor weight scale and a static input
     scale, the MLP's projections W4A16 g64 pack-quantized with bfloat16 scales (both groups target by regex),
     lm_head ignored. Returns (float model, the expected quantfuse layers by name, the tensors, the config)."""
-    torch.manual_seed(32)
-    model = TinyLlama().eval()
-    tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model, tensors, linears = _float_model(32)
     expected = {}
-    for name, lin in model.named_modules():
-        if not isinstance(lin, nn.Linear) or name == "lm_head":
-            continue
+    for name, lin in linears:
         for key in [k for k in tensors if k.startswith(name + ".")]:
             del tensors[key]
         w = lin.weight.detach()
@@ -260,13 +266,9 @@ def test_tensors_packed_by_compressed_tensors_load_bit_exact(case, tmp_path):
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
                                 input_activations=None if acts is None else QuantizationArgs(**acts))
     compressor = BaseCompressor.get_value_from_registry(fmt)
-    torch.manual_seed(33)
-    model = TinyLlama().eval()
-    tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model, tensors, linears = _float_model(33)
     compressed = {}
-    for name, lin in model.named_modules():
-        if not isinstance(lin, nn.Linear) or name == "lm_head":
-            continue
+    for name, lin in linears:
         local = {"weight": lin.weight.detach().clone(), **_ct_scales(lin.weight.detach(), weights)}
         if acts is not None and not acts.get("dynamic"):
             local["input_scale"] = torch.tensor([0.05])

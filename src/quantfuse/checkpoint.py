@@ -495,11 +495,8 @@ def _ct_layer(name: str, group_name: str, group: dict, fmt: str, local: Dict[str
         if dynamic and a_strategy == "token":
             return qm.Int8DynamicLinear(codes, scale, bias)
         if not dynamic and a_strategy == "tensor":
-            need("input_scale")
-            zero_point = local.get("input_zero_point") if not a.get("symmetric", True) else None
-            if not a.get("symmetric", True) and zero_point is None:
-                raise ValueError(f"{where}: asymmetric static activations without an input_zero_point")
-            return qm.Int8StaticLinear(codes, scale, bias, local["input_scale"].float(), zero_point)
+            need("input_scale", *(() if a.get("symmetric", True) else ("input_zero_point",)))
+            return qm.Int8StaticLinear(codes, scale, bias, local["input_scale"].float(), local.get("input_zero_point"))
         raise unsupported(f"int8 activations with strategy {a_strategy!r}, dynamic {dynamic}")
     raise unsupported(f"weights {w.get('type')}{w.get('num_bits')} stored as {codes.dtype} with activations "
                       f"{a.get('type')}{a.get('num_bits')}")
@@ -576,14 +573,27 @@ def load_compressed_tensors(directory: Union[str, os.PathLike], model_skeleton_o
     if not chosen:
         raise ValueError("quantization_config: its config_groups target no nn.Linear layer of the model; is it the "
                          "same architecture?")
+    # one pass over the tensors: each chosen layer's own (by local name) and those of its submodules
+    own: Dict[str, Dict[str, torch.Tensor]] = {name: {} for name, _, _ in chosen}
+    nested: Dict[str, List[str]] = {name: [] for name, _, _ in chosen}
+    for key, t in tensors.items():
+        parent, _, leaf = key.rpartition(".")
+        if parent in own:
+            own[parent][leaf] = t
+        else:
+            parts = parent.split(".")
+            owner = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in own),
+                         None)
+            if owner is not None:
+                nested[owner].append(key)
     prefixes = []
     for name, group_name, body in chosen:
         fmt = body.get("format") or qc.get("format")
-        nested = sorted(k for k in tensors if k.startswith(f"{name}.") and "." in k[len(name) + 1:])
-        if nested:  # e.g. an online transform registered under the layer: it would be lost
+        if nested[name]:  # e.g. an online transform registered under the layer: it would be lost
             raise ValueError(f"quantization_config group '{group_name}' (layer '{name}'): the checkpoint has "
-                             f"tensors of submodules of the layer, {nested[:3]}, which no scheme here reads")
-        local = _drop_zero_points_of_symmetric(_local(tensors, f"{name}."), body)
+                             f"tensors of submodules of the layer, {sorted(nested[name])[:3]}, which no scheme "
+                             "here reads")
+        local = _drop_zero_points_of_symmetric(own[name], body)
         layer = _ct_layer(name, group_name, body, fmt, local)
         unused = sorted(set(local) - set(layer.checkpoint_tensors()))
         if unused:  # e.g. a weight_g_idx (activation order) or a zero point of a symmetric scheme: never dropped

@@ -513,9 +513,10 @@ class Int8StaticLinear(_ScaledMMLinear):
                    tensors["input_scale"], tensors.get("input_zero_point"))
 
     def ct_scheme(self):
-        return {"format": "int-quantized",
-                "weights": _ct_args(8, "int", "channel"),
-                "input_activations": _ct_args(8, "int", "tensor", symmetric=self.symmetric)}
+        kind = "float" if self.qdtype == FP8 else "int"
+        return {"format": f"{kind}-quantized",
+                "weights": _ct_args(8, kind, "channel"),
+                "input_activations": _ct_args(8, kind, "tensor", symmetric=self.symmetric)}
 
 
 class Fp8StaticLinear(Int8StaticLinear):
@@ -537,11 +538,6 @@ class Fp8StaticLinear(Int8StaticLinear):
         if weight_q.dtype != FP8:
             raise TypeError(f"weight_q: expected float8_e4m3fn codes, got {weight_q.dtype}")
         super().__init__(weight_q, weight_scale, bias, input_scale)
-
-    def ct_scheme(self):
-        return {"format": "float-quantized",
-                "weights": _ct_args(8, "float", "channel"),
-                "input_activations": _ct_args(8, "float", "tensor")}
 
 
 # ----------------------------------------------------------------------------------------------------

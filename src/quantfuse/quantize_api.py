@@ -151,6 +151,7 @@ class Int8StaticConfig(QuantConfig):
     merge_projections: bool = True
     scheme = "int8_static"
     needs_calibration = True
+    layer_class = Int8StaticLinear
 
     def __post_init__(self):
         self._check_common()
@@ -167,10 +168,10 @@ class Int8StaticConfig(QuantConfig):
 
     def convert(self, linear, stats=None):
         if stats is None or not stats.seen:
-            raise ValueError("Int8StaticConfig: the layer saw no calibration data (was it ever called?)")
+            raise ValueError(f"{type(self).__name__}: the layer saw no calibration data (was it ever called?)")
         amax = stats.amax(self)
         if self.symmetric:
-            return Int8StaticLinear.from_linear(linear, amax=amax)
+            return self.layer_class.from_linear(linear, amax=amax)
         lo, hi = max(stats.lo, -amax), min(stats.hi, amax)
         return Int8StaticLinear.from_linear(linear, input_range=(lo, hi))
 
@@ -186,6 +187,7 @@ class Fp8StaticConfig(Int8StaticConfig):
     not, so they are refused here. Symmetric only. merge_projections as for `Int8StaticConfig`."""
 
     scheme = "fp8_static"
+    layer_class = Fp8StaticLinear
 
     def __post_init__(self):
         if self.calibrator in ("mse", "entropy"):
@@ -196,11 +198,6 @@ class Fp8StaticConfig(Int8StaticConfig):
         if self.symmetric is not True:
             raise ValueError(f"symmetric: fp8_static is symmetric only (fp8 codes take no zero point), "
                              f"got {self.symmetric!r}")
-
-    def convert(self, linear, stats=None):
-        if stats is None or not stats.seen:
-            raise ValueError("Fp8StaticConfig: the layer saw no calibration data (was it ever called?)")
-        return Fp8StaticLinear.from_linear(linear, amax=stats.amax(self))
 
 
 @dataclass
